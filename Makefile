@@ -1,0 +1,39 @@
+# nodemedic — the two set-up commands are `make run` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# As root the agent keeps its state where the systemd unit and DaemonSet do; otherwise beside the checkout.
+STATE_DIR ?= $(if $(filter 0,$(shell id -u)),/var/lib/nodemedic,$(CURDIR)/.nodemedic/state)
+RUN_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: run test bench install system-deps clean
+
+# Debian/Ubuntu Pythons ship venv separately; install it only when it is missing.
+system-deps:
+	@if ! $(PYTHON) -c 'import venv, ensurepip' 2>/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv; \
+	  else echo "python venv support is missing: install python3-venv" >&2; exit 1; fi; \
+	fi
+
+$(VENV)/.installed: pyproject.toml | system-deps
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip 'setuptools>=68' wheel
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	NODEMEDIC_STATE_DIR=$${NODEMEDIC_STATE_DIR:-$(STATE_DIR)} $(BIN)/nodemedic run $(RUN_ARGS)
+
+test: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: install
+	$(BIN)/python benchmarks/run.py
+
+clean:
+	rm -rf $(VENV) .nodemedic .pytest_cache build *.egg-info

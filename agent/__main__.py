@@ -1,0 +1,5 @@
+import sys
+
+from nodemedic.cli import main
+
+sys.exit(main())

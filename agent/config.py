@@ -1,0 +1,152 @@
+"""Configuration: one YAML file, NODEMEDIC_* environment overrides, defaults that run with neither."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from nodemedic.policy import CheckMode, PolicyConfig
+
+DEFAULT_CONFIG_PATH = "/etc/nodemedic/nodemedic.yaml"
+ENV_PREFIX = "NODEMEDIC_"
+
+
+class ConfigError(ValueError):
+    """A configuration problem, each line naming the offending key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CheckConfig(_Section):
+    enabled: bool = True
+    mode: CheckMode = CheckMode.ENFORCE
+    timeout_s: float = Field(default=60, gt=0)
+
+
+class KernelLogConfig(CheckConfig):
+    source: Literal["auto", "kmsg", "file", "journal"] = "auto"
+    path: str | None = Field(default=None, description="log file to follow (source=file) or kmsg device")
+    lookback_s: float | None = Field(default=None, ge=0, description="on start, also read this far back")
+
+
+class ChecksConfig(_Section):
+    kernel_log: KernelLogConfig = KernelLogConfig()
+
+
+class MetricsConfig(_Section):
+    enabled: bool = True
+    host: str = "0.0.0.0"
+    port: int = Field(default=9870, ge=0, le=65535)
+
+
+class ActionsConfig(_Section):
+    backend: Literal["auto", "local"] = "auto"
+    dry_run: bool = False
+
+
+class ImdsConfig(_Section):
+    enabled: bool = True
+    endpoint: str = "http://169.254.169.254"
+    timeout_s: float = Field(default=0.5, gt=0)
+
+
+class Config(_Section):
+    node_name: str = Field(default_factory=socket.gethostname)
+    profile: Literal["default", "hyperpod"] = "default"
+    instance_type: str | None = None
+    state_dir: Path = Path("/var/lib/nodemedic")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    policy: PolicyConfig = PolicyConfig()
+    catalog: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per-code catalog overrides")
+    checks: ChecksConfig = ChecksConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    actions: ActionsConfig = ActionsConfig()
+    imds: ImdsConfig = ImdsConfig()
+
+    def policy_config(self) -> PolicyConfig:
+        """The policy's settings with each check's enforce/observe mode folded in."""
+        modes = {name: getattr(self.checks, name).mode for name in type(self.checks).model_fields}
+        return self.policy.model_copy(update={"check_modes": {**modes, **self.policy.check_modes}})
+
+
+def load_config(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> Config:
+    """File (explicit path, $NODEMEDIC_CONFIG, or the default path if present), then environment, then overrides."""
+    env = os.environ if env is None else env
+    data: dict[str, Any] = {}
+    origin = "defaults"
+    explicit = path is not None or bool(env.get(f"{ENV_PREFIX}CONFIG"))
+    path = path or env.get(f"{ENV_PREFIX}CONFIG") or DEFAULT_CONFIG_PATH
+    p = Path(path)
+    if p.exists():
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
+        except OSError as exc:
+            raise ConfigError(f"{p}: cannot read: {exc.strerror}") from exc
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of settings")
+        data = loaded
+        origin = str(p)
+    elif explicit:
+        raise ConfigError(f"{p}: no such config file")
+
+    env_keys: dict[tuple[str, ...], str] = {}
+    if env.get("NODE_NAME") and "node_name" not in data:  # Kubernetes downward API
+        data["node_name"] = env["NODE_NAME"]
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX) or name == f"{ENV_PREFIX}CONFIG":
+            continue
+        keys = tuple(k.lower() for k in name[len(ENV_PREFIX):].split("__"))
+        _set(data, keys, _scalar(value))
+        env_keys[keys] = name
+    for dotted, value in (overrides or {}).items():
+        if value is not None:
+            _set(data, tuple(dotted.split(".")), value)
+
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc, origin, env_keys)) from None
+
+
+def _set(data: dict[str, Any], keys: tuple[str, ...], value: Any) -> None:
+    for k in keys[:-1]:
+        nxt = data.get(k)
+        if not isinstance(nxt, dict):
+            nxt = data[k] = {}
+        data = nxt
+    data[keys[-1]] = value
+
+
+def _scalar(text: str) -> Any:
+    """Environment values are typed like YAML scalars, so NODEMEDIC_METRICS__ENABLED=false is a boolean."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    return value if isinstance(value, (str, int, float, bool, list, dict)) or value is None else text
+
+
+def _explain(exc: ValidationError, origin: str, env_keys: dict[tuple[str, ...], str]) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = tuple(str(part) for part in err["loc"])
+        key = ".".join(loc) or "(top level)"
+        where = env_keys.get(loc)
+        source = f"environment {where}" if where else origin
+        got = err.get("input")
+        shown = "" if err["type"] == "missing" or isinstance(got, dict) else f" (got {got!r})"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown setting"
+        lines.append(f"{key}: {msg}{shown} [{source}]")
+    return "invalid configuration:\n  " + "\n  ".join(lines)

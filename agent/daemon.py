@@ -1,0 +1,257 @@
+"""The daemon: checks feed findings to the policy; decisions are logged, persisted, and handed to actions."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from nodemedic import __version__
+from nodemedic.actions import ActionBackend, ActionDispatcher
+from nodemedic.actions.local import LocalBackend
+from nodemedic.catalog import load_catalog
+from nodemedic.checks.base import Check, NodeContext, Poller, Watcher
+from nodemedic.config import Config
+from nodemedic.imds import Imds, resolve_instance_type
+from nodemedic.model import Action, Finding
+from nodemedic.policy import Decision, Policy, PolicyState
+from nodemedic.registry import applicable, build_checks
+from nodemedic.runner import CheckRunner
+from nodemedic.state import AgentLock, StateStore
+from nodemedic.telemetry.logs import DetectionLog
+from nodemedic.telemetry.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+INBOX = "inbox"
+SAVE_EVERY_S = 10.0        # repeats only bump counters: persist them lazily
+QUEUE_LIMIT = 10_000       # findings waiting for the policy; a full queue slows the watchers, never drops
+
+
+def read_boot_id(path: str = "/proc/sys/kernel/random/boot_id") -> str | None:
+    try:
+        return Path(path).read_text().strip() or None
+    except OSError:
+        return None
+
+
+class AgentAlreadyRunning(RuntimeError):
+    pass
+
+
+class Agent:
+    def __init__(self, config: Config, checks: list[Check] | None = None, backends: list[ActionBackend] | None = None,
+                 clock: Callable[[], float] = time.time, boot_id: str | None = None):
+        self.config = config
+        self.clock = clock
+        self.store = StateStore(config.state_dir)
+        self.lock = AgentLock(config.state_dir)
+        self.policy = Policy(load_catalog(config.catalog), config.policy_config())
+        imds = Imds(config.imds.endpoint, config.imds.timeout_s) if config.imds.enabled else None
+        self.instance_type = resolve_instance_type(config.instance_type, imds)
+        self.ctx = NodeContext(node_name=config.node_name, instance_type=self.instance_type)
+        self.checks = applicable(build_checks(config) if checks is None else checks, self.ctx)
+        self.metrics = Metrics(config.node_name, self.instance_type)
+        self.detections = DetectionLog(config.node_name, self.instance_type)
+        self.backends = backends if backends is not None else self._default_backends()
+        self.dispatcher = ActionDispatcher(self.backends,
+                                           on_error=lambda name, exc: self.metrics.action_errors.labels(name).inc())
+        self.runner = CheckRunner(self.submit, lambda name, s: self.metrics.check_duration.labels(name).observe(s))
+        self.boot_id = boot_id if boot_id is not None else read_boot_id()
+        self.state = PolicyState()
+        self.metrics_port: int | None = None
+        self._queue: queue.Queue[Finding] = queue.Queue(QUEUE_LIMIT)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._dirty = False
+        self._last_save = 0.0
+
+    def _default_backends(self) -> list[ActionBackend]:
+        # Kubernetes and Slurm backends plug in here; with neither configured the agent runs embedded and local.
+        return [LocalBackend(self.config.node_name, Path(self.config.state_dir) / "local-actions.jsonl",
+                             dry_run=self.config.actions.dry_run)]
+
+    # -- lifecycle -------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.store.ensure_dir()
+        if not self.lock.acquire():
+            raise AgentAlreadyRunning(f"another nodemedic agent is running with state dir {self.config.state_dir}")
+        with self.store.locked():
+            self.state = self.store.load()
+        now = self.clock()
+        if self.boot_id:
+            for d in self.policy.on_boot(self.state, self.boot_id, now):
+                self._record(d)
+        self._save()
+        log.info("nodemedic %s starting on node %s (instance type %s); state %s; resumed %s with %d active "
+                 "fault(s); checks: %s; actions: %s", __version__, self.config.node_name,
+                 self.instance_type or "unknown", self.store.path, self.state.verdict.health.value,
+                 len(self.state.active), ", ".join(c.name for c in self.checks) or "none",
+                 ", ".join(b.name for b in self.backends))
+        if self.config.metrics.enabled:
+            try:
+                self.metrics_port = self.metrics.serve(self.config.metrics.host, self.config.metrics.port)
+                log.info("metrics on http://%s:%d/metrics", self.config.metrics.host, self.metrics_port)
+            except OSError as exc:  # a taken port costs the metrics endpoint, never detection
+                log.error("metrics endpoint %s:%d unavailable: %s", self.config.metrics.host,
+                          self.config.metrics.port, exc)
+        self._publish_verdict()
+        self.dispatcher.start()
+        self.dispatcher.submit(self.state.verdict)  # reconcile the platform with what we remember
+        for check in self.checks:
+            if isinstance(check, Watcher):
+                self._threads.append(self.runner.start_watcher(check, self._stop))
+        pollers = [c for c in self.checks if isinstance(c, Poller)]
+        if pollers:
+            t = threading.Thread(target=self._schedule, args=(pollers,), name="pollers", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=5)
+        self._drain()
+        if self._dirty:
+            self._save()
+        self.dispatcher.stop()
+        self.metrics.close()
+        self.lock.release()
+
+    def run_forever(self) -> None:
+        """Run until SIGTERM/SIGINT."""
+        def _signal(signum, _frame):  # type: ignore[no-untyped-def]
+            log.info("signal %d: stopping", signum)
+            self._stop.set()
+        signal.signal(signal.SIGTERM, _signal)
+        signal.signal(signal.SIGINT, _signal)
+        self.start()
+        try:
+            self.loop()
+        finally:
+            self.stop()
+
+    # -- the loop ----------------------------------------------------------------------------------------------------
+    def submit(self, finding: Finding) -> None:
+        """Called from check threads. Blocks while the policy is QUEUE_LIMIT findings behind."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(finding, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def loop(self) -> None:
+        next_tick = 0.0
+        while not self._stop.is_set():
+            try:
+                finding = self._queue.get(timeout=1.0)
+            except queue.Empty:
+                finding = None
+            if finding is not None:
+                self.handle(finding)
+                self._drain()
+            mono = time.monotonic()
+            if mono >= next_tick:
+                next_tick = mono + 1.0
+                self._process_inbox()
+                if self._dirty and mono - self._last_save >= SAVE_EVERY_S:
+                    self._save()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                finding = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            self.handle(finding)
+
+    def handle(self, finding: Finding) -> Decision | None:
+        self.metrics.finding(finding)
+        decision = self.policy.observe(self.state, finding, self.clock())
+        self._dirty = True
+        if decision is None:
+            self.metrics.suppressed.inc()
+            return None
+        self._record(decision)
+        self._save()
+        return decision
+
+    def _record(self, decision: Decision) -> None:
+        self.detections.emit(decision)
+        self.metrics.decision(decision)
+        self._publish_verdict()  # cheap: backends act only when the verdict's generation moves
+
+    def _publish_verdict(self) -> None:
+        counts: dict[str, int] = {str(a): 0 for a in Action}
+        for f in self.state.active.values():
+            if f.enforced:
+                counts[str(f.action)] += 1
+        self.metrics.verdict(self.state.verdict, counts)
+        self.dispatcher.submit(self.state.verdict)
+
+    def _save(self) -> None:
+        try:
+            with self.store.locked():
+                self.store.save(self.state)
+            self._dirty = False
+        except OSError as exc:
+            # Keep running: the decision is logged and held in memory; saving is retried on the next change.
+            log.error("could not persist state to %s: %s", self.store.path, exc)
+        self._last_save = time.monotonic()
+
+    def _schedule(self, pollers: list[Poller]) -> None:
+        due = {p.name: 0.0 for p in pollers}
+        while not self._stop.is_set():
+            mono = time.monotonic()
+            for p in pollers:
+                if mono >= due[p.name]:
+                    for f in self.runner.run_once(p):
+                        self.submit(f)
+                    due[p.name] = time.monotonic() + p.interval_s
+            self._stop.wait(max(0.05, min(due.values()) - time.monotonic()))
+
+    # -- operator commands ---------------------------------------------------------------------------------------
+    def _process_inbox(self) -> None:
+        inbox = Path(self.config.state_dir) / INBOX
+        try:
+            entries = sorted(inbox.glob("*.json"))
+        except OSError:
+            return
+        for path in entries:
+            try:
+                cmd = json.loads(path.read_text())
+                decisions = apply_command(self.policy, self.state, cmd, self.clock())
+            except (OSError, ValueError, TypeError) as exc:
+                log.error("ignoring unreadable operator command %s: %s", path.name, exc)
+                decisions = []
+            for d in decisions:
+                self._record(d)
+            self._save()
+            try:
+                path.unlink()
+            except OSError:
+                pass
+
+
+def apply_command(policy: Policy, state: PolicyState, cmd: dict, now: float) -> list[Decision]:
+    """An operator's command, from the CLI directly or through the running agent's inbox."""
+    if cmd.get("command") != "clear":
+        raise ValueError(f"unknown command {cmd.get('command')!r}")
+    return policy.operator_clear(state, now, code=cmd.get("code"), component=cmd.get("component"))
+
+
+def write_command(state_dir: str | os.PathLike[str], cmd: dict) -> Path:
+    inbox = Path(state_dir) / INBOX
+    inbox.mkdir(parents=True, exist_ok=True)
+    path = inbox / f"{time.time_ns()}-{os.getpid()}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cmd))
+    os.replace(tmp, path)
+    return path
