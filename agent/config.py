@@ -10,6 +10,7 @@ from typing import Any, Literal, Mapping
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from nodemedic.catalog import CatalogError, load_catalog
 from nodemedic.policy import CheckMode, PolicyConfig
 
 DEFAULT_CONFIG_PATH = "/etc/nodemedic/nodemedic.yaml"
@@ -113,9 +114,14 @@ def load_config(path: str | os.PathLike[str] | None = None, env: Mapping[str, st
             _set(data, tuple(dotted.split(".")), value)
 
     try:
-        return Config.model_validate(data)
+        config = Config.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_explain(exc, origin, env_keys)) from None
+    try:
+        load_catalog(config.catalog)  # fail at load time, naming the entry, rather than when the agent starts
+    except CatalogError as exc:
+        raise ConfigError(f"invalid configuration:\n  catalog: {exc} [{origin}]") from None
+    return config
 
 
 def _set(data: dict[str, Any], keys: tuple[str, ...], value: Any) -> None:

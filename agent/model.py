@@ -25,7 +25,10 @@ class Severity(enum.IntEnum):
             return value
         if isinstance(value, int):
             return cls(value)
-        return cls[value.upper()]
+        try:
+            return cls[str(value).strip().upper()]
+        except KeyError:
+            raise ValueError(f"unknown severity {value!r}; one of {', '.join(str(s) for s in cls)}") from None
 
 
 class Action(enum.IntEnum):
@@ -46,7 +49,10 @@ class Action(enum.IntEnum):
             return value
         if isinstance(value, int):
             return cls(value)
-        return cls[value.strip().upper().replace("-", "_")]
+        try:
+            return cls[str(value).strip().upper().replace("-", "_")]
+        except KeyError:
+            raise ValueError(f"unknown action {value!r}; one of {', '.join(str(a) for a in cls)}") from None
 
     def escalated(self) -> Action:
         return Action(min(self + 1, Action.REPLACE))

@@ -7,7 +7,7 @@ from importlib import resources
 from typing import Any, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from nodemedic.model import Action, Severity
 
@@ -91,8 +91,9 @@ class Catalog:
         merged = {**defaults, **(fields or {}), **(override or {}), "code": code}
         try:
             return CatalogEntry.model_validate(merged)
-        except Exception as exc:  # pydantic's message names the field; add the code it belongs to
-            raise CatalogError(f"catalog entry {code}: {exc}") from exc
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+            raise CatalogError(f"catalog entry {code}: {problems}") from None
 
     def get(self, code: str) -> CatalogEntry:
         entry = self._cache.get(code)

@@ -53,11 +53,15 @@ class KmsgSource(LineSource):
             raise CheckUnavailable(f"cannot open {self.path}: {exc.strerror}") from exc
         try:
             min_usec = -1
-            if self.lookback_s is None:
-                os.lseek(fd, 0, os.SEEK_END)
-            else:
-                os.lseek(fd, 0, os.SEEK_SET)
-                min_usec = int((time.clock_gettime(time.CLOCK_MONOTONIC) - self.lookback_s) * 1e6)
+            try:
+                if self.lookback_s is None:
+                    os.lseek(fd, 0, os.SEEK_END)
+                else:
+                    os.lseek(fd, 0, os.SEEK_SET)
+                    min_usec = int((time.clock_gettime(time.CLOCK_MONOTONIC) - self.lookback_s) * 1e6)
+            except OSError as exc:
+                if exc.errno != errno.ESPIPE:  # a pipe standing in for kmsg cannot seek: read what comes
+                    raise
             poller = select.poll()
             poller.register(fd, select.POLLIN)
             while not stop.is_set():

@@ -1,0 +1,207 @@
+"""The agent in-process: findings in, decisions logged, state persisted, verdicts handed to actions."""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from nodemedic.actions import ActionBackend
+from nodemedic.checks.base import Watcher
+from nodemedic.config import load_config
+from nodemedic.daemon import Agent, AgentAlreadyRunning, write_command
+from nodemedic.model import Health, NodeVerdict
+from nodemedic.state import StateStore
+
+from conftest import finding
+
+
+class QueueWatcher(Watcher):
+    name = "kernel_log"
+
+    def __init__(self):
+        self.q: queue.Queue = queue.Queue()
+
+    def watch(self, emit, stop):
+        while not stop.is_set():
+            try:
+                emit(self.q.get(timeout=0.05))
+            except queue.Empty:
+                pass
+
+
+class Recorder(ActionBackend):
+    name = "recorder"
+
+    def __init__(self, fail_times: int = 0):
+        self.applied: list[NodeVerdict] = []
+        self.fail_times = fail_times
+
+    def apply(self, verdict):
+        if self.fail_times:
+            self.fail_times -= 1
+            raise ConnectionError("platform down")
+        self.applied.append(verdict)
+
+
+def make_agent(tmp_path, boot_id="boot-1", backends=None, **cfg) -> tuple[Agent, QueueWatcher]:
+    config = load_config(env={}, path=None, overrides={
+        "state_dir": str(tmp_path / "state"), "metrics.host": "127.0.0.1", "metrics.port": 0,
+        "imds.enabled": False, **cfg})
+    w = QueueWatcher()
+    return Agent(config, checks=[w], backends=backends, boot_id=boot_id), w
+
+
+class Running:
+    def __init__(self, agent: Agent):
+        self.agent = agent
+        agent.start()
+        self.t = threading.Thread(target=agent.loop, daemon=True)
+        self.t.start()
+
+    def stop(self):
+        self.agent._stop.set()
+        self.t.join(5)
+        self.agent.stop()
+
+
+def wait_for(pred, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+@pytest.fixture(autouse=True)
+def no_host_config(monkeypatch):
+    monkeypatch.setattr("nodemedic.config.DEFAULT_CONFIG_PATH", "/nonexistent/nodemedic.yaml")
+
+
+def test_fault_flows_to_verdict_state_metrics_and_actions(tmp_path):
+    rec = Recorder()
+    agent, w = make_agent(tmp_path, backends=[rec])
+    r = Running(agent)
+    try:
+        w.q.put(finding("XID_79"))
+        wait_for(lambda: agent.state.verdict.health is Health.PENDING_REBOOT)
+        assert agent.dispatcher.wait_idle(5)
+        assert rec.applied[-1].health is Health.PENDING_REBOOT
+        assert StateStore(tmp_path / "state").load().verdict.health is Health.PENDING_REBOOT
+        body = urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/metrics", timeout=5).read().decode()
+        assert 'nodemedic_node_health{status="UnschedulablePendingReboot"} 1.0' in body
+    finally:
+        r.stop()
+
+
+def test_restart_resumes_and_new_boot_remedies(tmp_path):
+    agent, w = make_agent(tmp_path)
+    r = Running(agent)
+    w.q.put(finding("XID_79"))
+    wait_for(lambda: agent.state.verdict.health is Health.PENDING_REBOOT)
+    r.stop()
+
+    same_boot, w2 = make_agent(tmp_path, boot_id="boot-1")
+    r = Running(same_boot)
+    assert same_boot.state.verdict.health is Health.PENDING_REBOOT
+    assert same_boot.state.active["XID_79|gpu:0000:3b:00.0"].count == 1
+    r.stop()
+
+    rebooted, w3 = make_agent(tmp_path, boot_id="boot-2")
+    r = Running(rebooted)
+    try:
+        assert rebooted.state.verdict.health is Health.SCHEDULABLE
+        w3.q.put(finding("XID_79"))  # back after the reboot: replace
+        wait_for(lambda: rebooted.state.verdict.health is Health.PENDING_REPLACEMENT)
+    finally:
+        r.stop()
+
+
+def test_local_backend_records_what_it_would_apply(tmp_path):
+    agent, w = make_agent(tmp_path)
+    r = Running(agent)
+    try:
+        w.q.put(finding("XID_48"))
+        wait_for(lambda: agent.state.verdict.health is Health.UNSCHEDULABLE)
+        assert agent.dispatcher.wait_idle(5)
+        records = [json.loads(x) for x in (tmp_path / "state" / "local-actions.jsonl").read_text().splitlines()]
+        assert records[0]["health"] == "Schedulable"  # reconcile on start
+        assert records[-1]["health"] == "Unschedulable" and records[-1]["fault_reasons"] == ["XID_48"]
+    finally:
+        r.stop()
+
+
+def test_failing_backend_is_retried_without_blocking_detection(tmp_path):
+    rec = Recorder(fail_times=2)
+    agent, w = make_agent(tmp_path, backends=[rec])
+    agent.dispatcher._max_backoff_s = 0.2
+    r = Running(agent)
+    try:
+        w.q.put(finding("XID_79"))
+        wait_for(lambda: agent.state.verdict.health is Health.PENDING_REBOOT)  # detection did not wait
+        wait_for(lambda: rec.applied and rec.applied[-1].health is Health.PENDING_REBOOT)
+    finally:
+        r.stop()
+
+
+def test_operator_clear_through_inbox(tmp_path):
+    agent, w = make_agent(tmp_path)
+    r = Running(agent)
+    try:
+        w.q.put(finding("XID_79"))
+        wait_for(lambda: agent.state.verdict.health is Health.PENDING_REBOOT)
+        path = write_command(tmp_path / "state", {"command": "clear", "code": "XID_79"})
+        (tmp_path / "state" / "inbox" / "junk.json").write_text("{nope")
+        wait_for(lambda: not path.exists())
+        assert agent.state.verdict.health is Health.SCHEDULABLE
+        wait_for(lambda: not (tmp_path / "state" / "inbox" / "junk.json").exists())
+    finally:
+        r.stop()
+
+
+def test_second_agent_on_same_state_dir_refuses(tmp_path):
+    a, _ = make_agent(tmp_path)
+    r = Running(a)
+    try:
+        b, _ = make_agent(tmp_path)
+        with pytest.raises(AgentAlreadyRunning):
+            b.start()
+    finally:
+        r.stop()
+
+
+def test_unwritable_state_does_not_stop_detection(tmp_path, monkeypatch):
+    agent, w = make_agent(tmp_path)
+    r = Running(agent)
+    try:
+        def fail(state):
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(agent.store, "save", fail)
+        w.q.put(finding("XID_79"))
+        wait_for(lambda: agent.state.verdict.health is Health.PENDING_REBOOT)
+        w.q.put(finding("XID_48", "gpu:0000:5d:00.0"))
+        wait_for(lambda: len(agent.state.active) == 2)
+    finally:
+        monkeypatch.undo()
+        r.stop()
+    assert StateStore(tmp_path / "state").load().verdict.health is Health.PENDING_REBOOT
+
+
+def test_taken_metrics_port_costs_only_metrics(tmp_path):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        agent, w = make_agent(tmp_path, **{"metrics.port": s.getsockname()[1]})
+        r = Running(agent)
+        try:
+            assert agent.metrics_port is None
+            w.q.put(finding("XID_79"))
+            wait_for(lambda: agent.state.verdict.health is Health.PENDING_REBOOT)
+        finally:
+            r.stop()
