@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from nodemedic.checks.base import Emit, NodeContext, Watcher
 from nodemedic.checks.kernel_log.parser import CHECK, KernelLogClassifier
 from nodemedic.checks.kernel_log.sources import LineSource, make_source
 from nodemedic.model import Finding
+
+log = logging.getLogger(__name__)
 
 
 class KernelLogWatcher(Watcher):
@@ -32,6 +35,7 @@ class KernelLogWatcher(Watcher):
         source = self.source or make_source(self.kind, self.path, self.lookback_s)
         # After a restart by the supervisor, follow from where the log is now rather than looking back again.
         self.lookback_s = None
+        log.info("kernel log: following %s", source)
         classify = KernelLogClassifier().classify
         for line in source.lines(stop):
             finding = classify(line)

@@ -25,6 +25,10 @@ _SAFETY_POLL_S = 1.0  # re-stat a followed file this often even without a file e
 class LineSource(abc.ABC):
     name: str = "source"
 
+    def __str__(self) -> str:
+        where = getattr(self, "path", None)
+        return f"{self.name} {where}" if where else self.name
+
     @abc.abstractmethod
     def lines(self, stop: threading.Event) -> Iterator[str]:
         """Yield lines as they arrive; return once `stop` is set."""
