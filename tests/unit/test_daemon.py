@@ -205,3 +205,13 @@ def test_taken_metrics_port_costs_only_metrics(tmp_path):
             wait_for(lambda: agent.state.verdict.health is Health.PENDING_REBOOT)
         finally:
             r.stop()
+
+
+def test_instance_type_from_imds_when_config_is_silent(tmp_path):
+    from fakes.imds import FakeImds
+    with FakeImds({"meta-data/instance-type": "p5.48xlarge"}) as fake:
+        agent, _ = make_agent(tmp_path, **{"imds.enabled": True, "imds.endpoint": fake.endpoint})
+    assert agent.instance_type == "p5.48xlarge"
+    configured, _ = make_agent(tmp_path, **{"instance_type": "trn1.32xlarge", "imds.enabled": True,
+                                            "imds.endpoint": "http://127.0.0.1:9"})
+    assert configured.instance_type == "trn1.32xlarge"
