@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import threading
@@ -56,17 +57,18 @@ def make_agent(tmp_path, boot_id="boot-1", backends=None, **cfg) -> tuple[Agent,
     return Agent(config, checks=[w], backends=backends, boot_id=boot_id), w
 
 
-class Running:
-    def __init__(self, agent: Agent):
-        self.agent = agent
-        agent.start()
-        self.t = threading.Thread(target=agent.loop, daemon=True)
-        self.t.start()
-
-    def stop(self):
-        self.agent._stop.set()
-        self.t.join(5)
-        self.agent.stop()
+@contextlib.contextmanager
+def running(agent: Agent):
+    """The agent started, its loop in a thread, stopped on the way out."""
+    agent.start()
+    t = threading.Thread(target=agent.loop, daemon=True)
+    t.start()
+    try:
+        yield agent
+    finally:
+        agent._stop.set()
+        t.join(5)
+        agent.stop()
 
 
 def wait_for(pred, timeout=5.0):
@@ -86,8 +88,7 @@ def no_host_config(monkeypatch):
 def test_fault_flows_to_verdict_state_metrics_and_actions(tmp_path):
     rec = Recorder()
     agent, w = make_agent(tmp_path, backends=[rec])
-    r = Running(agent)
-    try:
+    with running(agent):
         w.q.put(finding("XID_79"))
         wait_for(lambda: agent.state.verdict.health is Health.PENDING_REBOOT)
         assert agent.dispatcher.wait_idle(5)
@@ -95,64 +96,50 @@ def test_fault_flows_to_verdict_state_metrics_and_actions(tmp_path):
         assert StateStore(tmp_path / "state").load().verdict.health is Health.PENDING_REBOOT
         body = urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/metrics", timeout=5).read().decode()
         assert 'nodemedic_node_health{status="UnschedulablePendingReboot"} 1.0' in body
-    finally:
-        r.stop()
 
 
 def test_restart_resumes_and_new_boot_remedies(tmp_path):
     agent, w = make_agent(tmp_path)
-    r = Running(agent)
-    w.q.put(finding("XID_79"))
-    wait_for(lambda: agent.state.verdict.health is Health.PENDING_REBOOT)
-    r.stop()
+    with running(agent):
+        w.q.put(finding("XID_79"))
+        wait_for(lambda: agent.state.verdict.health is Health.PENDING_REBOOT)
 
-    same_boot, w2 = make_agent(tmp_path, boot_id="boot-1")
-    r = Running(same_boot)
-    assert same_boot.state.verdict.health is Health.PENDING_REBOOT
-    assert same_boot.state.active["XID_79|gpu:0000:3b:00.0"].count == 1
-    r.stop()
+    same_boot, _ = make_agent(tmp_path, boot_id="boot-1")
+    with running(same_boot):
+        assert same_boot.state.verdict.health is Health.PENDING_REBOOT
+        assert same_boot.state.active["XID_79|gpu:0000:3b:00.0"].count == 1
 
     rebooted, w3 = make_agent(tmp_path, boot_id="boot-2")
-    r = Running(rebooted)
-    try:
+    with running(rebooted):
         assert rebooted.state.verdict.health is Health.SCHEDULABLE
         w3.q.put(finding("XID_79"))  # back after the reboot: replace
         wait_for(lambda: rebooted.state.verdict.health is Health.PENDING_REPLACEMENT)
-    finally:
-        r.stop()
 
 
 def test_local_backend_records_what_it_would_apply(tmp_path):
     agent, w = make_agent(tmp_path)
-    r = Running(agent)
-    try:
+    with running(agent):
         w.q.put(finding("XID_48"))
         wait_for(lambda: agent.state.verdict.health is Health.UNSCHEDULABLE)
         assert agent.dispatcher.wait_idle(5)
         records = [json.loads(x) for x in (tmp_path / "state" / "local-actions.jsonl").read_text().splitlines()]
         assert records[0]["health"] == "Schedulable"  # reconcile on start
         assert records[-1]["health"] == "Unschedulable" and records[-1]["fault_reasons"] == ["XID_48"]
-    finally:
-        r.stop()
 
 
 def test_failing_backend_is_retried_without_blocking_detection(tmp_path):
     rec = Recorder(fail_times=2)
     agent, w = make_agent(tmp_path, backends=[rec])
     agent.dispatcher._max_backoff_s = 0.2
-    r = Running(agent)
-    try:
+    with running(agent):
         w.q.put(finding("XID_79"))
         wait_for(lambda: agent.state.verdict.health is Health.PENDING_REBOOT)  # detection did not wait
         wait_for(lambda: rec.applied and rec.applied[-1].health is Health.PENDING_REBOOT)
-    finally:
-        r.stop()
 
 
 def test_operator_clear_through_inbox(tmp_path):
     agent, w = make_agent(tmp_path)
-    r = Running(agent)
-    try:
+    with running(agent):
         w.q.put(finding("XID_79"))
         wait_for(lambda: agent.state.verdict.health is Health.PENDING_REBOOT)
         path = write_command(tmp_path / "state", {"command": "clear", "code": "XID_79"})
@@ -160,25 +147,19 @@ def test_operator_clear_through_inbox(tmp_path):
         wait_for(lambda: not path.exists())
         assert agent.state.verdict.health is Health.SCHEDULABLE
         wait_for(lambda: not (tmp_path / "state" / "inbox" / "junk.json").exists())
-    finally:
-        r.stop()
 
 
 def test_second_agent_on_same_state_dir_refuses(tmp_path):
     a, _ = make_agent(tmp_path)
-    r = Running(a)
-    try:
+    with running(a):
         b, _ = make_agent(tmp_path)
         with pytest.raises(AgentAlreadyRunning):
             b.start()
-    finally:
-        r.stop()
 
 
 def test_unwritable_state_does_not_stop_detection(tmp_path, monkeypatch):
     agent, w = make_agent(tmp_path)
-    r = Running(agent)
-    try:
+    with running(agent):
         def fail(state):
             raise OSError(28, "No space left on device")
         monkeypatch.setattr(agent.store, "save", fail)
@@ -186,9 +167,7 @@ def test_unwritable_state_does_not_stop_detection(tmp_path, monkeypatch):
         wait_for(lambda: agent.state.verdict.health is Health.PENDING_REBOOT)
         w.q.put(finding("XID_48", "gpu:0000:5d:00.0"))
         wait_for(lambda: len(agent.state.active) == 2)
-    finally:
-        monkeypatch.undo()
-        r.stop()
+        monkeypatch.undo()  # the disk works again: the final save on stop persists what was held in memory
     assert StateStore(tmp_path / "state").load().verdict.health is Health.PENDING_REBOOT
 
 
@@ -198,13 +177,10 @@ def test_taken_metrics_port_costs_only_metrics(tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         agent, w = make_agent(tmp_path, **{"metrics.port": s.getsockname()[1]})
-        r = Running(agent)
-        try:
+        with running(agent):
             assert agent.metrics_port is None
             w.q.put(finding("XID_79"))
             wait_for(lambda: agent.state.verdict.health is Health.PENDING_REBOOT)
-        finally:
-            r.stop()
 
 
 def test_instance_type_from_imds_when_config_is_silent(tmp_path):
