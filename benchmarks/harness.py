@@ -122,6 +122,17 @@ def append_fd(path: Path) -> int:
     return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
 
+def _detection(line: str) -> dict | None:
+    """The detection event a stdout line carries, if it is one."""
+    if DETECTION_MARKER not in line:
+        return None
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) and DETECTION_MARKER in event else None
+
+
 class AgentProcess:
     """`nodemedic run` as a subprocess, following a kernel-log file; stdout lines are timestamped in a thread."""
 
@@ -142,7 +153,11 @@ class AgentProcess:
 
     # -- lifecycle --------------------------------------------------------------------------------------------------
     def __enter__(self) -> AgentProcess:
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -167,6 +182,7 @@ class AgentProcess:
     def stop(self, timeout_s: float = 15.0) -> int | None:
         """SIGTERM, then SIGKILL if it will not go; returns the exit status."""
         if self._proc is None:
+            self._stderr.close()
             return None
         if self._proc.poll() is None:
             self._proc.send_signal(signal.SIGTERM)
@@ -195,8 +211,9 @@ class AgentProcess:
         for raw in iter(self._proc.stdout.readline, b""):
             arrived = time.perf_counter()
             line = raw.decode("utf-8", "replace")
-            if DETECTION_MARKER in line:
-                self._detected(arrived, json.loads(line))
+            event = _detection(line)
+            if event is not None:
+                self._detected(arrived, event)
                 continue
             self._tail.append(line.rstrip("\n"))
             self._note(line)
@@ -249,7 +266,8 @@ class AgentProcess:
     def diagnostics(self) -> str:
         """Exit status and the last lines it wrote, for error messages."""
         status = "running" if self.alive else f"exited {self._proc.returncode if self._proc else None}"
-        self._stderr.flush()
+        if not self._stderr.closed:
+            self._stderr.flush()
         err = (self.workdir / "stderr.log").read_text(errors="replace")[-1500:]
         return f"{status}; stdout tail: {list(self._tail)[-5:]}; stderr tail: {err!r}"
 

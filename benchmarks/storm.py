@@ -6,9 +6,10 @@ import gc
 import os
 import threading
 import time
+from dataclasses import dataclass
 
 from corpus import component, syslog, xid_79
-from harness import MIB, AgentProcess, Result, RssSampler, Sizes, check, info, mib, rate
+from harness import MIB, AgentProcess, Result, RssSampler, Sizes, append_fd, check, info, mib, rate
 
 from nodemedic.catalog import load_catalog
 from nodemedic.checks.kernel_log.parser import KernelLogClassifier
@@ -21,6 +22,7 @@ AGENT_TIMEOUT_S = 180.0
 POLL_S = 0.25
 QUIET_S = 1.0                # after the storm, wait this long for a late (wrong) second decision
 DOMAIN, BUS = 0x00aa, 0x3b
+CANARY = (0x00bb, 0x3b)      # a different GPU's fault, appended behind the storm
 
 
 def _in_process(lines: int) -> tuple[int, float, RssSampler]:
@@ -41,19 +43,30 @@ def _in_process(lines: int) -> tuple[int, float, RssSampler]:
     return decisions, seconds, rss
 
 
-def _append_storm(path: os.PathLike[str], lines: int, errors: list[BaseException]) -> None:
-    """Append `lines` identical Xid lines in CHUNK_LINES-line writes."""
-    chunk = ((syslog(xid_79(DOMAIN, BUS)) + "\n") * CHUNK_LINES).encode()
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+class StormWriter(threading.Thread):
+    """Appends `lines` identical Xid lines in CHUNK_LINES-line writes, then one line for a different GPU."""
+
+    def __init__(self, path: os.PathLike[str], lines: int):
+        super().__init__(name="storm-writer", daemon=True)
+        self.path = path
+        self.lines = lines
+        self.error: BaseException | None = None
+        self.canary_written: float | None = None  # perf_counter time the different GPU's line was appended
+
+    def run(self) -> None:
+        chunk = ((syslog(xid_79(DOMAIN, BUS)) + "\n") * CHUNK_LINES).encode()
+        per_line = len(chunk) // CHUNK_LINES
         try:
-            for start in range(0, lines, CHUNK_LINES):
-                n = min(CHUNK_LINES, lines - start)
-                os.write(fd, chunk if n == CHUNK_LINES else chunk[: len(chunk) // CHUNK_LINES * n])
-        finally:
-            os.close(fd)
-    except BaseException as exc:  # reported by the caller, which is polling the agent meanwhile
-        errors.append(exc)
+            fd = append_fd(self.path)
+            try:
+                for start in range(0, self.lines, CHUNK_LINES):
+                    os.write(fd, chunk[: per_line * min(CHUNK_LINES, self.lines - start)])
+                os.write(fd, (syslog(xid_79(*CANARY)) + "\n").encode())
+                self.canary_written = time.perf_counter()
+            finally:
+                os.close(fd)
+        except BaseException as exc:  # reported by the caller, which polls the agent meanwhile
+            self.error = exc
 
 
 def _wait_findings(agent: AgentProcess, lines: int) -> float | None:
@@ -67,24 +80,35 @@ def _wait_findings(agent: AgentProcess, lines: int) -> float | None:
     return None
 
 
-def _through_agent(lines: int) -> tuple[int, float | None, RssSampler]:
-    """(detection events, seconds until all findings were counted, RSS) for the storm through the agent."""
+@dataclass
+class AgentStorm:
+    """What the storm through the agent produced."""
+
+    events: int                  # detection events for the storming GPU
+    seconds: float               # until the agent had counted every storm line as a finding
+    canary_s: float | None       # append-to-detection of the other GPU's fault that queued behind the storm
+    rss: RssSampler
+
+
+def _through_agent(lines: int) -> AgentStorm:
+    """Append the storm to the followed log and watch the agent's stdout, metrics and RSS."""
     with AgentProcess() as agent:
         time.sleep(1.0)  # let the file watcher open the log: lines before that are never read
-        errors: list[BaseException] = []
         with RssSampler(agent.pid, interval_s=0.05) as rss:
-            writer = threading.Thread(target=_append_storm, args=(agent.kernel_log, lines, errors), daemon=True)
+            writer = StormWriter(agent.kernel_log, lines)
             writer.start()
             seconds = _wait_findings(agent, lines)
             writer.join()
+            canary = agent.wait_detection(component(*CANARY), AGENT_TIMEOUT_S if seconds else 0)
             time.sleep(QUIET_S)
-        if errors:
-            raise errors[0]
+        if writer.error is not None:
+            raise writer.error
         if seconds is None:
             raise RuntimeError(f"the agent did not count {lines:,} findings within {AGENT_TIMEOUT_S:g}s: "
                                f"{agent.diagnostics()}")
         events = sum(1 for _, e in agent.detections if e.get("component") == component(DOMAIN, BUS))
-    return events, seconds, rss
+    canary_s = None if canary is None or writer.canary_written is None else canary - writer.canary_written
+    return AgentStorm(events, seconds, canary_s, rss)
 
 
 def run(sizes: Sizes) -> list[Result]:
@@ -96,12 +120,13 @@ def run(sizes: Sizes) -> list[Result]:
         check(NAME, "in-process: peak RSS growth", mib(rss.growth), f"<= {mib(TARGET_GROWTH)}",
               rss.growth <= TARGET_GROWTH),
     ]
-    events, agent_s, agent_rss = _through_agent(n)
-    assert agent_s is not None
+    a = _through_agent(n)
     return results + [
-        check(NAME, "agent: detection events", str(events), "1", events == 1),
-        info(NAME, f"agent: time to count {n:,} findings", f"{agent_s:.1f} s ({rate(n, agent_s)})"),
-        info(NAME, "agent: peak RSS", mib(agent_rss.peak)),
-        check(NAME, "agent: peak RSS growth", mib(agent_rss.growth), f"<= {mib(TARGET_GROWTH)}",
-              agent_rss.growth <= TARGET_GROWTH),
+        check(NAME, "agent: detection events", str(a.events), "1", a.events == 1),
+        info(NAME, f"agent: time to count {n:,} findings", f"{a.seconds:.1f} s ({rate(n, a.seconds)})"),
+        info(NAME, "agent: other GPU's fault behind the storm",
+             "not detected" if a.canary_s is None else f"detected after {a.canary_s:.1f} s"),
+        info(NAME, "agent: peak RSS", mib(a.rss.peak)),
+        check(NAME, "agent: peak RSS growth", mib(a.rss.growth), f"<= {mib(TARGET_GROWTH)}",
+              a.rss.growth <= TARGET_GROWTH),
     ]
