@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 INBOX = "inbox"
 SAVE_EVERY_S = 10.0        # repeats only bump counters: persist them lazily
 QUEUE_LIMIT = 10_000       # findings waiting for the policy; a full queue slows the watchers, never drops
+READY_TIMEOUT_S = 5.0      # how long start() waits for watchers to be positioned before saying ready
 
 
 def read_boot_id(path: str = "/proc/sys/kernel/random/boot_id") -> str | None:
@@ -70,6 +71,7 @@ class Agent:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._dirty = False
+        self._decided = False
         self._last_save = 0.0
 
     def _default_backends(self) -> list[ActionBackend]:
@@ -104,14 +106,18 @@ class Agent:
         self._publish_verdict()
         self.dispatcher.start()
         self.dispatcher.submit(self.state.verdict)  # reconcile the platform with what we remember
-        for check in self.checks:
-            if isinstance(check, Watcher):
-                self._threads.append(self.runner.start_watcher(check, self._stop))
+        watchers = [c for c in self.checks if isinstance(c, Watcher)]
+        for w in watchers:
+            self._threads.append(self.runner.start_watcher(w, self._stop))
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        waiting = [w.name for w in watchers if not w.wait_ready(max(0.0, deadline - time.monotonic()))]
         pollers = [c for c in self.checks if isinstance(c, Poller)]
         if pollers:
             t = threading.Thread(target=self._schedule, args=(pollers,), name="pollers", daemon=True)
             t.start()
             self._threads.append(t)
+        # Readiness means every watcher is positioned on its source: anything logged from now on is seen.
+        log.info("nodemedic ready" + (f" (not yet watching: {', '.join(waiting)})" if waiting else ""))
 
     def stop(self) -> None:
         self._stop.set()
@@ -157,6 +163,9 @@ class Agent:
             if finding is not None:
                 self.handle(finding)
                 self._drain()
+            if self._decided:
+                # Decisions are logged as they are made; the state file is written once per burst of them.
+                self._save()
             mono = time.monotonic()
             if mono >= next_tick:
                 next_tick = mono + 1.0
@@ -177,10 +186,11 @@ class Agent:
         decision = self.policy.observe(self.state, finding, self.clock())
         self._dirty = True
         if decision is None:
-            self.metrics.suppressed.inc()
+            self.metrics.suppressed.inc(finding.repeats)
             return None
+        self.metrics.suppressed.inc(finding.repeats - 1)
         self._record(decision)
-        self._save()
+        self._decided = True
         return decision
 
     def _record(self, decision: Decision) -> None:
@@ -200,7 +210,7 @@ class Agent:
         try:
             with self.store.locked():
                 self.store.save(self.state)
-            self._dirty = False
+            self._dirty = self._decided = False
         except OSError as exc:
             # Keep running: the decision is logged and held in memory; saving is retried on the next change.
             log.error("could not persist state to %s: %s", self.store.path, exc)

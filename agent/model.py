@@ -93,6 +93,12 @@ class Finding:
     # Set by a check only when the source itself names the remedy (Xid 154, NVSwitch "Fatal"); the catalog
     # decides whether to trust it.
     recommended_action: Action | None = None
+    # How many identical consecutive sightings this finding stands for (a log storm is folded at the source).
+    repeats: int = 1
+
+    def same_fault(self, other: Finding) -> bool:
+        return (self.code == other.code and self.component == other.component and self.healthy == other.healthy
+                and self.recommended_action == other.recommended_action and self.check == other.check)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -105,6 +111,7 @@ class Finding:
             "observed_at": self.observed_at,
             "healthy": self.healthy,
             "recommended_action": str(self.recommended_action) if self.recommended_action is not None else None,
+            "repeats": self.repeats,
         }
 
 

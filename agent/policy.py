@@ -137,10 +137,11 @@ class Policy:
         if action <= Action.NONE:
             return self._no_action(state, entry, key, finding, now)
         if active is not None:
-            active.count += 1
+            active.count += finding.repeats
             active.last_seen = max(active.last_seen, now)
             before = state.verdict.health
             if action > active.action:
+                state.suppressed += finding.repeats - 1
                 # The source now names a harsher remedy (Xid 154 moving from reset to reboot, say).
                 active.action = action
                 active.message = finding.message
@@ -152,22 +153,25 @@ class Policy:
                                       f"{entry.title or finding.code}: remedy raised to {action}")
             if now - active.reported_at < self._dedup(entry):
                 # A fault stays active until it is cleared, so its repeats are one incident, never a second.
-                state.suppressed += 1
+                state.suppressed += finding.repeats
                 return None
+            state.suppressed += finding.repeats - 1
             active.reported_at = now
             return self._decision(Outcome.REPEATED, entry, active, before, state, finding, now,
                                   f"{entry.title or finding.code}: still occurring ({active.count} times)")
 
         if entry.threshold_count > 1:
             seen = state.sightings.setdefault(key, [])
-            seen.append(now)
             horizon = now - entry.threshold_window_s
             while seen and seen[0] < horizon:
                 seen.pop(0)
+            earlier = len(seen)
+            seen.extend([now] * min(finding.repeats, entry.threshold_count))
             if len(seen) < entry.threshold_count:
-                if len(seen) > 1:
-                    state.suppressed += 1
+                if earlier:
+                    state.suppressed += finding.repeats
                     return None
+                state.suppressed += finding.repeats - 1
                 health = state.verdict.health
                 return Decision(Outcome.BELOW_THRESHOLD, finding.code, finding.component, Action.NONE, health,
                                 health, f"{entry.title or finding.code}: seen {len(seen)} of "
@@ -183,8 +187,10 @@ class Policy:
         incidents = state.incidents.setdefault(key, [])
         incidents.append(Incident(started=now))
         before = state.verdict.health
+        state.suppressed += finding.repeats - 1
         fault = ActiveFault(code=finding.code, component=finding.component, check=finding.check, type=entry.type,
                             message=finding.message, action=action, first_seen=now, last_seen=now, reported_at=now,
+                            count=finding.repeats,
                             enforced=self._enforced(finding), escalated_from=escalated_from,
                             evidence=finding.evidence)
         state.active[key] = fault
@@ -233,8 +239,9 @@ class Policy:
         window = self._dedup(entry)
         last = state.noted.get(key)
         if last is not None and now - last < window:
-            state.suppressed += 1
+            state.suppressed += finding.repeats
             return None
+        state.suppressed += finding.repeats - 1
         state.noted[key] = now
         if len(state.noted) > 256:
             state.noted = {k: t for k, t in state.noted.items() if now - t < window}

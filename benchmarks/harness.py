@@ -227,7 +227,7 @@ class AgentProcess:
             self._cond.notify_all()
 
     def _note(self, line: str) -> None:
-        started = "starting" in line
+        started = '"msg":"nodemedic ready' in line  # every watcher is positioned: nothing appended is missed
         port = _METRICS_LINE.search(line)
         if started or port:
             with self._cond:

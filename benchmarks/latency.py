@@ -13,8 +13,6 @@ NAME = "latency"
 TARGET_P99_S = 0.100
 WAIT_S = 5.0                 # a detection later than this counts as missed
 SPACING_S = (0.020, 0.050)
-WATCHER_START_S = 0.5        # the start line comes before the file watcher has opened the log
-WARMUP_TRIES = 10
 
 
 def _gpu(i: int) -> tuple[int, int]:
@@ -30,22 +28,11 @@ def _inject(agent: AgentProcess, fd: int, domain: int, bus: int, wait_s: float =
     return None if arrived is None else arrived - written
 
 
-def _warm_up(agent: AgentProcess, fd: int) -> None:
-    """Inject on domain 0 until one is detected (not measured): a line appended before the watcher has opened
-    the file at its end is never read."""
-    time.sleep(WATCHER_START_S)
-    for bus in range(WARMUP_TRIES):
-        if _inject(agent, fd, 0, bus, wait_s=1.0) is not None:
-            return
-    raise RuntimeError(f"no detection for {WARMUP_TRIES} warm-up injections: {agent.diagnostics()}")
-
-
 def run(sizes: Sizes) -> list[Result]:
     rng = random.Random(7)
     with AgentProcess() as agent:
         fd = append_fd(agent.kernel_log)
         try:
-            _warm_up(agent, fd)
             samples, missed = [], 0
             for i in range(sizes.injections):
                 time.sleep(rng.uniform(*SPACING_S))

@@ -93,7 +93,6 @@ class AgentStorm:
 def _through_agent(lines: int) -> AgentStorm:
     """Append the storm to the followed log and watch the agent's stdout, metrics and RSS."""
     with AgentProcess() as agent:
-        time.sleep(1.0)  # let the file watcher open the log: lines before that are never read
         with RssSampler(agent.pid, interval_s=0.05) as rss:
             writer = StormWriter(agent.kernel_log, lines)
             writer.start()

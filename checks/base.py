@@ -40,6 +40,10 @@ class Watcher(Check):
     @abc.abstractmethod
     def watch(self, emit: Emit, stop: threading.Event) -> None: ...
 
+    def wait_ready(self, timeout: float) -> bool:
+        """True once the watcher is positioned on its source, so nothing that happens from now on is missed."""
+        return True
+
     def scan(self) -> list[Finding]:
         """One pass over what is already there (for `nodemedic check`)."""
         raise CheckUnavailable(f"{self.name} has no one-pass mode")

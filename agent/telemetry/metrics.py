@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from nodemedic import __version__
@@ -38,9 +40,14 @@ class Metrics:
         for status in Health:
             self.health.labels(status.value).set(0)
         self._server = None
+        self._finding_children: dict[tuple[str, str, bool], Any] = {}
 
     def finding(self, f: Finding) -> None:
-        self.findings.labels(f.check, f.code, "true" if f.healthy else "false").inc()
+        key = (f.check, f.code, f.healthy)
+        child = self._finding_children.get(key)
+        if child is None:  # labels() costs microseconds: keep the children of the counter at hand
+            child = self._finding_children[key] = self.findings.labels(f.check, f.code, "true" if f.healthy else "false")
+        child.inc(f.repeats)
         if f.code == CHECK_FAILED:
             if f.healthy:
                 self.check_up.labels(f.check).set(1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from nodemedic.checks.base import Emit, NodeContext, Watcher
 from nodemedic.checks.kernel_log.parser import CHECK, KernelLogClassifier
@@ -22,6 +23,10 @@ class KernelLogWatcher(Watcher):
         self.path = path
         self.lookback_s = lookback_s
         self.source = source
+        self._ready = threading.Event()
+
+    def wait_ready(self, timeout: float) -> bool:
+        return self._ready.wait(timeout)
 
     def applies(self, ctx: NodeContext) -> bool:
         return True  # every node has a kernel log; if it cannot be read, that is a check failure
@@ -35,9 +40,21 @@ class KernelLogWatcher(Watcher):
         source = self.source or make_source(self.kind, self.path, self.lookback_s)
         # After a restart by the supervisor, follow from where the log is now rather than looking back again.
         self.lookback_s = None
-        log.info("kernel log: following %s", source)
         classify = KernelLogClassifier().classify
-        for line in source.lines(stop):
-            finding = classify(line)
-            if finding is not None:
-                emit(finding)
+        log.info("kernel log: following %s", source)
+        for batch in source.batches(stop, self._ready):
+            now = time.time()
+            pending: Finding | None = None
+            for line in batch:
+                finding = classify(line, now)
+                if finding is None:
+                    continue
+                # A storm of the same fault folds into one finding per batch that carries the count.
+                if pending is not None and pending.same_fault(finding):
+                    pending.repeats += 1
+                    continue
+                if pending is not None:
+                    emit(pending)
+                pending = finding
+            if pending is not None:
+                emit(pending)

@@ -30,12 +30,37 @@ class LineSource(abc.ABC):
         return f"{self.name} {where}" if where else self.name
 
     @abc.abstractmethod
-    def lines(self, stop: threading.Event) -> Iterator[str]:
-        """Yield lines as they arrive; return once `stop` is set."""
+    def batches(self, stop: threading.Event, ready: threading.Event | None = None) -> Iterator[list[str]]:
+        """Yield the lines that arrive, a batch per read, until `stop` is set; set `ready` once positioned."""
 
     @abc.abstractmethod
     def existing(self) -> Iterator[str]:
         """Yield the lines already there (this boot's kernel log, or the file) and stop at the end."""
+
+    def lines(self, stop: threading.Event, ready: threading.Event | None = None) -> Iterator[str]:
+        for batch in self.batches(stop, ready):
+            yield from batch
+
+
+_KMSG_BURST = 1024  # records read before handing a batch on, so a storm cannot starve the consumer
+
+
+def _kmsg_messages(chunk: bytes, min_usec: int) -> list[str]:
+    """Message texts of /dev/kmsg records ("prio,seq,usec,flags;text" plus " KEY=value" continuation lines)."""
+    out = []
+    for text in chunk.decode("utf-8", "replace").split("\n"):
+        if not text or text[0] == " ":
+            continue
+        header, sep, message = text.partition(";")
+        if not sep:
+            out.append(text)
+            continue
+        if min_usec >= 0:
+            fields = header.split(",")
+            if len(fields) > 2 and fields[2].isdigit() and int(fields[2]) < min_usec:
+                continue
+        out.append(message)
+    return out
 
 
 class KmsgSource(LineSource):
@@ -47,14 +72,45 @@ class KmsgSource(LineSource):
         self.path = path
         self.lookback_s = lookback_s
 
-    def existing(self) -> Iterator[str]:
-        return _kmsg_existing(self.path)
-
-    def lines(self, stop: threading.Event) -> Iterator[str]:
+    def _open(self) -> int:
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+            return os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
         except OSError as exc:
             raise CheckUnavailable(f"cannot open {self.path}: {exc.strerror}") from exc
+
+    @staticmethod
+    def _read_available(fd: int, min_usec: int) -> tuple[list[str], bool]:
+        """Records readable now (up to a burst) and whether the end of a regular file was reached."""
+        out: list[str] = []
+        for _ in range(_KMSG_BURST):
+            try:
+                chunk = os.read(fd, _READ_SIZE)
+            except BlockingIOError:
+                return out, False
+            except OSError as exc:
+                if exc.errno == errno.EPIPE:
+                    # The ring buffer overwrote records before we read them; the next read continues.
+                    log.warning("kernel ring buffer overran: some /dev/kmsg records were lost")
+                    continue
+                raise
+            if not chunk:  # only a regular file or a closed pipe standing in for kmsg
+                return out, True
+            out += _kmsg_messages(chunk, min_usec)
+        return out, False
+
+    def existing(self) -> Iterator[str]:
+        fd = self._open()
+        try:
+            while True:
+                batch, eof = self._read_available(fd, -1)
+                yield from batch
+                if eof or not batch:
+                    return
+        finally:
+            os.close(fd)
+
+    def batches(self, stop: threading.Event, ready: threading.Event | None = None) -> Iterator[list[str]]:
+        fd = self._open()
         try:
             min_usec = -1
             try:
@@ -66,61 +122,20 @@ class KmsgSource(LineSource):
             except OSError as exc:
                 if exc.errno != errno.ESPIPE:  # a pipe standing in for kmsg cannot seek: read what comes
                     raise
+            if ready is not None:
+                ready.set()
             poller = select.poll()
             poller.register(fd, select.POLLIN)
             while not stop.is_set():
-                try:
-                    chunk = os.read(fd, _READ_SIZE)
-                except BlockingIOError:
-                    poller.poll(250)
-                    continue
-                except OSError as exc:
-                    if exc.errno == errno.EPIPE:
-                        # The ring buffer overwrote records before we read them; the next read continues.
-                        log.warning("kernel ring buffer overran: some /dev/kmsg records were lost")
-                        continue
-                    raise
-                if not chunk:  # a regular file standing in for kmsg (tests): wait for more
+                batch, eof = self._read_available(fd, min_usec)
+                if batch:
+                    yield batch
+                elif eof:
                     stop.wait(0.1)
-                    continue
-                for text in chunk.decode("utf-8", "replace").split("\n"):
-                    if not text or text[0] == " ":  # continuation lines carry the record's KEY=value dictionary
-                        continue
-                    header, sep, message = text.partition(";")
-                    if not sep:
-                        yield text
-                        continue
-                    if min_usec >= 0:
-                        fields = header.split(",")
-                        if len(fields) > 2 and fields[2].isdigit() and int(fields[2]) < min_usec:
-                            continue
-                    yield message
+                else:
+                    poller.poll(250)
         finally:
             os.close(fd)
-
-
-def _kmsg_existing(path: str) -> Iterator[str]:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as exc:
-        raise CheckUnavailable(f"cannot open {path}: {exc.strerror}") from exc
-    try:
-        while True:
-            try:
-                chunk = os.read(fd, _READ_SIZE)
-            except BlockingIOError:
-                return
-            except OSError as exc:
-                if exc.errno == errno.EPIPE:
-                    continue
-                raise
-            if not chunk:
-                return
-            for text in chunk.decode("utf-8", "replace").split("\n"):
-                if text and text[0] != " ":
-                    yield text.partition(";")[2] or text
-    finally:
-        os.close(fd)
 
 
 class FileSource(LineSource):
@@ -140,11 +155,11 @@ class FileSource(LineSource):
         except OSError as exc:
             raise CheckUnavailable(f"cannot read {self.path}: {exc.strerror}") from exc
 
-    def lines(self, stop: threading.Event) -> Iterator[str]:
+    def batches(self, stop: threading.Event, ready: threading.Event | None = None) -> Iterator[list[str]]:
         wake = threading.Event()
-        observer = self._observe(wake)
+        observer = self._observe(wake)  # watch before opening, so no change between the two is missed
         try:
-            yield from self._follow(stop, wake)
+            yield from self._follow(stop, wake, ready)
         finally:
             if observer is not None:
                 observer.stop()
@@ -172,7 +187,8 @@ class FileSource(LineSource):
             return None
         return observer
 
-    def _follow(self, stop: threading.Event, wake: threading.Event) -> Iterator[str]:
+    def _follow(self, stop: threading.Event, wake: threading.Event,
+                ready: threading.Event | None) -> Iterator[list[str]]:
         fh = None
         inode = None
         partial = b""
@@ -183,6 +199,8 @@ class FileSource(LineSource):
                     try:
                         fh = open(self.path, "rb")
                     except FileNotFoundError:
+                        if ready is not None:
+                            ready.set()  # the file is not there yet: whatever is written to it will be read
                         wake.wait(_SAFETY_POLL_S)
                         wake.clear()
                         first_open = False  # a file created later is read from its start
@@ -193,13 +211,15 @@ class FileSource(LineSource):
                         fh.seek(0, os.SEEK_END)
                     first_open = False
                     partial = b""
+                    if ready is not None:
+                        ready.set()
                 wake.clear()
                 data = fh.read(_READ_SIZE)
                 if data:
-                    lines = (partial + data).split(b"\n")
-                    partial = lines.pop()
-                    for raw in lines:
-                        yield raw.decode("utf-8", "replace")
+                    raw_lines = (partial + data).split(b"\n")
+                    partial = raw_lines.pop()
+                    if raw_lines:
+                        yield [raw.decode("utf-8", "replace") for raw in raw_lines]
                     continue
                 # At the end: rotated away, truncated, or just quiet?
                 try:
@@ -209,7 +229,7 @@ class FileSource(LineSource):
                     current = None
                 if current != inode:
                     if partial:
-                        yield partial.decode("utf-8", "replace")
+                        yield [partial.decode("utf-8", "replace")]
                     fh.close()
                     fh = None
                     if current is not None:
@@ -251,7 +271,7 @@ class JournalSource(LineSource):
                                    f"{out.stderr.decode(errors='replace').strip()[:200]}")
         yield from out.stdout.decode("utf-8", "replace").splitlines()
 
-    def lines(self, stop: threading.Event) -> Iterator[str]:
+    def batches(self, stop: threading.Event, ready: threading.Event | None = None) -> Iterator[list[str]]:
         exe = shutil.which(self.journalctl)
         if exe is None:
             raise CheckUnavailable(f"{self.journalctl} not found")
@@ -265,6 +285,8 @@ class JournalSource(LineSource):
             poller = select.poll()
             poller.register(fd, select.POLLIN)
             partial = b""
+            if ready is not None:
+                ready.set()
             while not stop.is_set():
                 if not poller.poll(250):
                     continue
@@ -272,10 +294,10 @@ class JournalSource(LineSource):
                 if not chunk:
                     err = proc.stderr.read().decode(errors="replace").strip() if proc.stderr else ""
                     raise RuntimeError(f"journalctl exited ({proc.wait(timeout=5)}): {err[:200]}")
-                lines = (partial + chunk).split(b"\n")
-                partial = lines.pop()
-                for raw in lines:
-                    yield raw.decode("utf-8", "replace")
+                raw_lines = (partial + chunk).split(b"\n")
+                partial = raw_lines.pop()
+                if raw_lines:
+                    yield [raw.decode("utf-8", "replace") for raw in raw_lines]
         finally:
             proc.terminate()
             try:

@@ -36,7 +36,7 @@ class AgentProcess:
         threading.Thread(target=self._read, daemon=True).start()
         started = self.wait(lambda e: "metrics on" in e.get("msg", ""), 20)
         self.port = int(re.search(r":(\d+)/metrics", started["msg"]).group(1))
-        time.sleep(0.3)  # let the file watcher settle before the first append
+        self.wait(lambda e: e.get("msg", "").startswith("nodemedic ready"), 20)
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -125,6 +125,45 @@ def test_agent_reacts_to_injected_lines_and_resumes_after_restart(tmp_path, agen
     finally:
         if again.proc.poll() is None:
             again.proc.kill()
+
+
+def test_a_line_written_right_after_ready_is_not_missed(tmp_path, agent_env):
+    agent = AgentProcess(tmp_path, agent_env)
+    try:
+        with open(agent.log, "a") as fh:
+            fh.write("NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, GPU has fallen off the bus.\n")
+        assert agent.wait(detection("gpu:0000:3b:00.0"))["code"] == "XID_79"
+        assert agent.terminate() == 0
+    finally:
+        if agent.proc.poll() is None:
+            agent.proc.kill()
+
+
+def test_storm_of_one_xid_is_one_decision_and_counted(tmp_path, agent_env):
+    agent = AgentProcess(tmp_path, agent_env)
+    try:
+        line = "Feb 23 16:24:18 h kernel: NVRM: Xid (PCI:0000:3b:00): 79, pid=1, GPU has fallen off the bus.\n"
+        with open(agent.log, "a") as fh:
+            for _ in range(20):
+                fh.write(line * 1000)
+                fh.flush()
+            fh.write("NVRM: Xid (PCI:0000:5d:00): 48, pid=1, name=x, DBE\n")
+        agent.wait(detection("gpu:0000:5d:00.0"), timeout=20)
+        decisions = [ln for ln in agent.raw if "HealthMonitoringAgentDetectionEvent" in ln]
+        assert len(decisions) == 2
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if 'code="XID_79",healthy="false"} 20000.0' in agent.metrics():
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("storm findings not all counted")
+        assert agent.terminate() == 0  # repeats are persisted lazily, and at the latest on stop
+        final = json.loads(agent.cli("status", "--json").stdout)
+        assert {f["code"]: f["count"] for f in final["active"]}["XID_79"] == 20000
+    finally:
+        if agent.proc.poll() is None:
+            agent.proc.kill()
 
 
 def test_corrupt_state_file_is_moved_aside_and_agent_starts(tmp_path, agent_env):

@@ -259,3 +259,27 @@ def test_state_survives_serialisation_mid_incident(policy, state, clock):
     policy.on_boot(restored, "b", clock.advance(60))
     d = policy.observe(restored, finding("XID_79", GPU0), clock.advance(60))
     assert d.outcome is Outcome.ESCALATED
+
+
+def test_folded_repeats_count_like_separate_sightings(policy, state, clock):
+    storm = finding("XID_79", GPU0)
+    storm.repeats = 5000
+    d = policy.observe(state, storm, clock())
+    assert d.outcome is Outcome.ACTIVATED and d.count == 5000
+    assert state.suppressed == 4999
+    more = finding("XID_79", GPU0)
+    more.repeats = 1000
+    assert policy.observe(state, more, clock.advance(1)) is None
+    assert state.active[f"XID_79|{GPU0}"].count == 6000 and state.suppressed == 5999
+
+
+def test_folded_repeats_reach_a_threshold_at_once(policy, state, clock):
+    burst = finding("PCIE_AER_NONFATAL", "pci:0000:00:1d.0")
+    burst.repeats = 3
+    d = policy.observe(state, burst, clock())
+    assert d.outcome is Outcome.ACTIVATED and len(state.active) == 1
+    two = finding("PCIE_AER_NONFATAL", "pci:0000:00:1c.0")
+    two.repeats = 2
+    assert policy.observe(state, two, clock()).outcome is Outcome.BELOW_THRESHOLD
+    assert policy.observe(state, finding("PCIE_AER_NONFATAL", "pci:0000:00:1c.0"), clock()).outcome \
+        is Outcome.ACTIVATED
