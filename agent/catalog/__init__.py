@@ -35,6 +35,7 @@ class CatalogEntry(BaseModel):
     dedup_window_s: float | None = Field(default=None, ge=0)
     escalate: bool = True
     named_action: bool = False
+    corroborate: bool = False
 
     @field_validator("severity", mode="before")
     @classmethod
@@ -117,9 +118,21 @@ class Catalog:
         return sorted(self._entries)
 
 
+CATALOG_FILES = ("kernel.yaml", "nvidia.yaml", "platform.yaml")
+
+
 def load_builtin() -> dict[str, Any]:
-    text = resources.files(__package__).joinpath("faults.yaml").read_text(encoding="utf-8")
-    return yaml.safe_load(text)
+    """The shipped catalog: one YAML file per domain, merged; a code defined twice is a packaging bug."""
+    merged: dict[str, Any] = {"defaults": {}, "families": {}, "entries": {}}
+    for name in CATALOG_FILES:
+        data = yaml.safe_load(resources.files(__package__).joinpath(name).read_text(encoding="utf-8")) or {}
+        merged["defaults"].update(data.get("defaults") or {})
+        for section in ("families", "entries"):
+            for code, fields in (data.get(section) or {}).items():
+                if code in merged[section]:
+                    raise CatalogError(f"{name}: {code} is already defined by another catalog file")
+                merged[section][code] = fields
+    return merged
 
 
 def load_catalog(overrides: Mapping[str, Mapping[str, Any]] | None = None) -> Catalog:

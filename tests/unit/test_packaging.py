@@ -21,4 +21,6 @@ def test_every_package_directory_is_in_pyproject():
 
 def test_catalog_data_ships_with_the_package():
     from importlib import resources
-    assert resources.files("nodemedic.catalog").joinpath("faults.yaml").is_file()
+    from nodemedic.catalog import CATALOG_FILES
+    for name in CATALOG_FILES:
+        assert resources.files("nodemedic.catalog").joinpath(name).is_file()
