@@ -40,6 +40,7 @@ class Outcome(str, enum.Enum):
     RAISED = "raised"                # an active fault's source now names a harsher remedy
     REPEATED = "repeated"            # an active fault still occurring, reported once per dedup window
     NO_ACTION = "no_action"          # an application error or a fault whose action is none: logged only
+    CORROBORATED = "corroborated"    # a second source confirmed a held fault: its remedy now applies
     BELOW_THRESHOLD = "below_threshold"
     CLEARED = "cleared"              # a healthy finding or an operator cleared it
     REMEDIED = "remedied"            # the reboot it asked for happened
@@ -64,6 +65,8 @@ class ActiveFault(BaseModel):
     enforced: bool = True
     escalated_from: Action | None = None
     evidence: dict[str, Any] = {}
+    sources: list[str] = []                 # independent sources that reported it (nvml, nvidia_smi, pci, ...)
+    held_action: Action | None = None       # the remedy waiting for a second source to corroborate it
 
 
 class Incident(BaseModel):
@@ -118,6 +121,11 @@ def fault_key(code: str, component: str) -> str:
     return f"{code}|{component}"
 
 
+def source_of(check: str) -> str:
+    """Checks named `<source>.<part>` (nvml.events, nvml.fields) are one source when corroborating."""
+    return check.partition(".")[0]
+
+
 class Policy:
     def __init__(self, catalog: Catalog, config: PolicyConfig | None = None):
         self.catalog = catalog
@@ -140,6 +148,21 @@ class Policy:
             active.count += finding.repeats
             active.last_seen = max(active.last_seen, now)
             before = state.verdict.health
+            source = source_of(finding.check)
+            if source not in active.sources:
+                active.sources.append(source)
+                if active.held_action is not None and len(active.sources) >= 2:
+                    state.suppressed += finding.repeats - 1
+                    active.action, active.held_action = max(active.held_action, action), None
+                    active.reported_at = now
+                    self._record(state, active, now)
+                    self._refresh(state, now)
+                    return self._decision(Outcome.CORROBORATED, entry, active, before, state, finding, now,
+                                          f"{entry.title or finding.code}: confirmed by "
+                                          f"{' and '.join(active.sources)}")
+            if active.held_action is not None:
+                active.held_action = max(active.held_action, action)
+                action = Action.WATCH
             if action > active.action:
                 state.suppressed += finding.repeats - 1
                 # The source now names a harsher remedy (Xid 154 moving from reset to reboot, say).
@@ -188,11 +211,15 @@ class Policy:
         incidents.append(Incident(started=now))
         before = state.verdict.health
         state.suppressed += finding.repeats - 1
+        held = None
+        if entry.corroborate and action > Action.WATCH:
+            # Never trust one signal for a destructive action: watch until an independent source agrees.
+            held, action = action, Action.WATCH
         fault = ActiveFault(code=finding.code, component=finding.component, check=finding.check, type=entry.type,
                             message=finding.message, action=action, first_seen=now, last_seen=now, reported_at=now,
                             count=finding.repeats,
                             enforced=self._enforced(finding), escalated_from=escalated_from,
-                            evidence=finding.evidence)
+                            evidence=finding.evidence, sources=[source_of(finding.check)], held_action=held)
         state.active[key] = fault
         self._record(state, fault, now)
         self._refresh(state, now)
@@ -202,6 +229,8 @@ class Policy:
         reason = entry.title or finding.code
         if entry.action > entry.max_action:
             reason += f" ({entry.kind.value} fault: never takes the node out of service)"
+        if held is not None:
+            reason += f" (held at watch until a second source confirms it; wants {held})"
         return self._decision(Outcome.ACTIVATED, entry, fault, before, state, finding, now, reason)
 
     def observe_all(self, state: PolicyState, findings: Iterable[Finding], now: float) -> list[Decision]:
@@ -254,8 +283,14 @@ class Policy:
     def _healthy(self, state: PolicyState, finding: Finding, now: float) -> Decision | None:
         key = fault_key(finding.code, finding.component)
         state.sightings.pop(key, None)
-        if key not in state.active:
+        active = state.active.get(key)
+        if active is None:
             return None
+        source = source_of(finding.check)
+        if source in active.sources:
+            active.sources.remove(source)
+        if active.sources:
+            return None  # another source still reports it: one source's all-clear does not outvote it
         decisions = self._clear(state, [key], now, Outcome.CLEARED, "healthy", finding.message, finding)
         return decisions[0]
 

@@ -7,6 +7,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from nodemedic.checks.platform.profiles import InstanceProfile
 from nodemedic.model import Finding
 
 Emit = Callable[[Finding], None]
@@ -22,7 +23,12 @@ class NodeContext:
 
     node_name: str
     instance_type: str | None = None
+    profile: InstanceProfile | None = None
     settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def expected_gpus(self) -> int | None:
+        return self.profile.gpus if self.profile is not None else None
 
 
 class Check(abc.ABC):

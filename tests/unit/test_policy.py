@@ -283,3 +283,33 @@ def test_folded_repeats_reach_a_threshold_at_once(policy, state, clock):
     assert policy.observe(state, two, clock()).outcome is Outcome.BELOW_THRESHOLD
     assert policy.observe(state, finding("PCIE_AER_NONFATAL", "pci:0000:00:1c.0"), clock()).outcome \
         is Outcome.ACTIVATED
+
+
+def test_destructive_action_waits_for_a_second_source(policy, state, clock):
+    d = policy.observe(state, finding("GPU_COUNT_MISMATCH", "node", check="nvml.fields"), clock())
+    assert d.outcome is Outcome.ACTIVATED and d.action is Action.WATCH and "held at watch" in d.reason
+    assert state.verdict.health is Health.SCHEDULABLE
+    # the same source again (another NVML check) is not independent
+    assert policy.observe(state, finding("GPU_COUNT_MISMATCH", "node", check="nvml.events"), clock()) is None
+    assert state.verdict.health is Health.SCHEDULABLE
+    d = policy.observe(state, finding("GPU_COUNT_MISMATCH", "node", check="nvidia_smi"), clock.advance(5))
+    assert d.outcome is Outcome.CORROBORATED and d.action is Action.REBOOT
+    assert "nvml and nvidia_smi" in d.reason
+    assert state.verdict.health is Health.PENDING_REBOOT
+    assert state.active["GPU_COUNT_MISMATCH|node"].sources == ["nvml", "nvidia_smi"]
+
+
+def test_one_sources_all_clear_does_not_outvote_another(policy, state, clock):
+    policy.observe(state, finding("GPU_LOST", GPU0, check="nvml.fields"), clock())
+    policy.observe(state, finding("GPU_LOST", GPU0, check="pci"), clock())
+    assert state.verdict.health is Health.PENDING_REBOOT
+    assert policy.observe(state, finding("GPU_LOST", GPU0, check="nvml.fields", healthy=True), clock()) is None
+    assert state.verdict.health is Health.PENDING_REBOOT
+    d = policy.observe(state, finding("GPU_LOST", GPU0, check="pci", healthy=True), clock())
+    assert d.outcome is Outcome.CLEARED and state.verdict.health is Health.SCHEDULABLE
+
+
+def test_held_fault_clears_when_its_only_source_recovers(policy, state, clock):
+    policy.observe(state, finding("GPU_LOST", GPU0, check="nvml.fields"), clock())
+    d = policy.observe(state, finding("GPU_LOST", GPU0, check="nvml.fields", healthy=True), clock())
+    assert d.outcome is Outcome.CLEARED and state.active == {}

@@ -1,0 +1,1 @@
+"""NVIDIA passive checks: NVML, nvidia-smi, DCGM."""

@@ -1,0 +1,1 @@
+"""Platform checks: instance profiles, PCI bus enumeration, cloud maintenance events."""
