@@ -316,7 +316,9 @@ class Policy:
         return min(action, entry.max_action)
 
     def _enforced(self, finding: Finding) -> bool:
-        return self.config.check_modes.get(finding.check, CheckMode.ENFORCE) is CheckMode.ENFORCE
+        modes = self.config.check_modes
+        mode = modes.get(finding.check) or modes.get(source_of(finding.check), CheckMode.ENFORCE)
+        return mode is CheckMode.ENFORCE
 
     def _escalation(self, state: PolicyState, entry: CatalogEntry, key: str, action: Action,
                     now: float) -> tuple[Action | None, str]:

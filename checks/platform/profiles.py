@@ -16,6 +16,7 @@ class InstanceProfile(BaseModel):
     gpus: int | None = Field(default=None, ge=0)
     gpu_model: str | None = None
     nvlinks_per_gpu: int | None = Field(default=None, ge=0)
+    pcie_width: int | None = Field(default=None, ge=1, description="PCIe lanes each GPU's link should run at")
     efa: int | None = Field(default=None, ge=0)
     neuron_devices: int | None = Field(default=None, ge=0)
 

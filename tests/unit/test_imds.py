@@ -3,7 +3,7 @@ from __future__ import annotations
 import socket
 import time
 
-from nodemedic.imds import Imds, resolve_instance_type
+from nodemedic.checks.platform.imds import Imds, resolve_instance_type
 
 from fakes.imds import FakeImds
 
