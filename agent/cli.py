@@ -57,18 +57,17 @@ def cmd_run(args: argparse.Namespace) -> int:
 # -- check ----------------------------------------------------------------------------------------------------------
 def cmd_check(args: argparse.Namespace) -> int:
     from nodemedic.catalog import load_catalog
-    from nodemedic.checks.base import NodeContext
-    from nodemedic.imds import Imds, resolve_instance_type
+    from nodemedic.checks.platform.imds import Imds, resolve_instance_type
     from nodemedic.model import CHECK_FAILED, Health
     from nodemedic.policy import Policy, PolicyState
-    from nodemedic.registry import applicable, build_checks
+    from nodemedic.registry import applicable, build_checks, node_context
     from nodemedic.runner import CheckRunner
 
     config = _config(args)
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr, format="%(levelname)s %(message)s")
     imds = Imds(config.imds.endpoint, config.imds.timeout_s) if config.imds.enabled else None
-    ctx = NodeContext(config.node_name, resolve_instance_type(config.instance_type, imds))
-    checks = applicable(build_checks(config), ctx)
+    ctx = node_context(config, resolve_instance_type(config.instance_type, imds))
+    checks = applicable(build_checks(config, ctx, imds), ctx)
     policy = Policy(load_catalog(config.catalog), config.policy_config())
     state = PolicyState()
     runner = CheckRunner(lambda f: None)

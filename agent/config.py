@@ -11,6 +11,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nodemedic.catalog import CatalogError, load_catalog
+from nodemedic.checks.platform.profiles import ProfileError, load_profiles
 from nodemedic.policy import CheckMode, PolicyConfig
 
 DEFAULT_CONFIG_PATH = "/etc/nodemedic/nodemedic.yaml"
@@ -37,8 +38,42 @@ class KernelLogConfig(CheckConfig):
     lookback_s: float | None = Field(default=None, ge=0, description="on start, also read this far back")
 
 
+class NvmlConfig(CheckConfig):
+    interval_s: float = Field(default=30, gt=0, description="field poller period; events need no period")
+
+
+class NvidiaSmiConfig(CheckConfig):
+    binary: str = "nvidia-smi"
+    interval_s: float = Field(default=60, gt=0)
+    timeout_s: float = Field(default=30, gt=0)
+
+
+class DcgmConfig(CheckConfig):
+    binary: str = "dcgmi"
+    host: str | None = Field(default=None, description="nv-hostengine address; default the local one")
+    group: int = Field(default=0, ge=0, description="DCGM group the policy is set on (0: all GPUs)")
+    interval_s: float = Field(default=60, gt=0, description="health watch period")
+    timeout_s: float = Field(default=30, gt=0)
+    unreachable_after_s: float = Field(default=300, gt=0, description="DCGM silent this long is a warning")
+
+
+class PciConfig(CheckConfig):
+    sysfs_root: str = "/sys"
+    interval_s: float = Field(default=30, gt=0)
+
+
+class MaintenanceConfig(CheckConfig):
+    interval_s: float = Field(default=300, gt=0)
+    timeout_s: float = Field(default=10, gt=0)
+
+
 class ChecksConfig(_Section):
     kernel_log: KernelLogConfig = KernelLogConfig()
+    nvml: NvmlConfig = NvmlConfig()
+    nvidia_smi: NvidiaSmiConfig = NvidiaSmiConfig()
+    dcgm: DcgmConfig = DcgmConfig()
+    pci: PciConfig = PciConfig()
+    maintenance: MaintenanceConfig = MaintenanceConfig()
 
 
 class MetricsConfig(_Section):
@@ -66,6 +101,8 @@ class Config(_Section):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     policy: PolicyConfig = PolicyConfig()
     catalog: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per-code catalog overrides")
+    instance_profiles: dict[str, dict[str, Any]] = Field(default_factory=dict,
+                                                         description="per-instance-type profile overrides")
     checks: ChecksConfig = ChecksConfig()
     metrics: MetricsConfig = MetricsConfig()
     actions: ActionsConfig = ActionsConfig()
@@ -121,6 +158,10 @@ def load_config(path: str | os.PathLike[str] | None = None, env: Mapping[str, st
         load_catalog(config.catalog)  # fail at load time, naming the entry, rather than when the agent starts
     except CatalogError as exc:
         raise ConfigError(f"invalid configuration:\n  catalog: {exc} [{origin}]") from None
+    try:
+        load_profiles(config.instance_profiles)
+    except ProfileError as exc:
+        raise ConfigError(f"invalid configuration:\n  instance_profiles: {exc} [{origin}]") from None
     return config
 
 

@@ -16,12 +16,12 @@ from nodemedic import __version__
 from nodemedic.actions import ActionBackend, ActionDispatcher
 from nodemedic.actions.local import LocalBackend
 from nodemedic.catalog import load_catalog
-from nodemedic.checks.base import Check, NodeContext, Poller, Watcher
+from nodemedic.checks.base import Check, Poller, Watcher
 from nodemedic.config import Config
-from nodemedic.imds import Imds, resolve_instance_type
+from nodemedic.checks.platform.imds import Imds, resolve_instance_type
 from nodemedic.model import Action, Finding
 from nodemedic.policy import Decision, Policy, PolicyState
-from nodemedic.registry import applicable, build_checks
+from nodemedic.registry import applicable, build_checks, node_context
 from nodemedic.runner import CheckRunner
 from nodemedic.state import AgentLock, StateStore
 from nodemedic.telemetry.logs import DetectionLog
@@ -56,8 +56,8 @@ class Agent:
         self.policy = Policy(load_catalog(config.catalog), config.policy_config())
         imds = Imds(config.imds.endpoint, config.imds.timeout_s) if config.imds.enabled else None
         self.instance_type = resolve_instance_type(config.instance_type, imds)
-        self.ctx = NodeContext(node_name=config.node_name, instance_type=self.instance_type)
-        self.checks = applicable(build_checks(config) if checks is None else checks, self.ctx)
+        self.ctx = node_context(config, self.instance_type)
+        self.checks = applicable(build_checks(config, self.ctx, imds) if checks is None else checks, self.ctx)
         self.metrics = Metrics(config.node_name, self.instance_type)
         self.detections = DetectionLog(config.node_name, self.instance_type)
         self.backends = backends if backends is not None else self._default_backends()

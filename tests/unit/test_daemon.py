@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import queue
 import threading
 import time
@@ -49,12 +50,12 @@ class Recorder(ActionBackend):
         self.applied.append(verdict)
 
 
-def make_agent(tmp_path, boot_id="boot-1", backends=None, **cfg) -> tuple[Agent, QueueWatcher]:
+def make_agent(tmp_path, boot_id="boot-1", backends=None, checks=(), **cfg) -> tuple[Agent, QueueWatcher]:
     config = load_config(env={}, path=None, overrides={
         "state_dir": str(tmp_path / "state"), "metrics.host": "127.0.0.1", "metrics.port": 0,
         "imds.enabled": False, **cfg})
     w = QueueWatcher()
-    return Agent(config, checks=[w], backends=backends, boot_id=boot_id), w
+    return Agent(config, checks=[w, *checks], backends=backends, boot_id=boot_id), w
 
 
 @contextlib.contextmanager
@@ -191,3 +192,25 @@ def test_instance_type_from_imds_when_config_is_silent(tmp_path):
     configured, _ = make_agent(tmp_path, **{"instance_type": "trn1.32xlarge", "imds.enabled": True,
                                             "imds.endpoint": "http://127.0.0.1:9"})
     assert configured.instance_type == "trn1.32xlarge"
+
+
+def test_gpu_count_mismatch_needs_two_sources_before_reboot(tmp_path):
+    from fakes.nvml import FakeNvml, default_gpus
+    from fakes.sysfs import hgx_node
+    from nodemedic.checks.nvidia.nvml import NvmlPoller
+    from nodemedic.checks.platform.pci import PciGpuPoller
+
+    sysfs = tmp_path / "sys"
+    hgx_node(sysfs, gpus=8)
+    nvml = NvmlPoller(FakeNvml(default_gpus(7)), interval_s=0.2, sysfs_root=sysfs)
+    pci = PciGpuPoller(sysfs_root=sysfs, interval_s=0.2)
+    agent, _ = make_agent(tmp_path, checks=[nvml, pci], instance_type="p5.48xlarge")
+    assert agent.ctx.expected_gpus == 8 and len(agent.checks) == 3
+    with running(agent):
+        wait_for(lambda: "GPU_COUNT_MISMATCH|node" in agent.state.active)
+        time.sleep(0.6)  # several poll cycles: NVML alone must not take the node out
+        fault = agent.state.active["GPU_COUNT_MISMATCH|node"]
+        assert agent.state.verdict.health is Health.SCHEDULABLE and fault.held_action is not None
+        shutil.rmtree(sysfs / "bus" / "pci" / "devices" / "0000:ca:00.0")  # the PCI bus loses it too
+        wait_for(lambda: agent.state.verdict.health is Health.PENDING_REBOOT)
+        assert agent.state.active["GPU_COUNT_MISMATCH|node"].sources == ["nvml", "pci"]
