@@ -57,6 +57,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 # -- check ----------------------------------------------------------------------------------------------------------
 def cmd_check(args: argparse.Namespace) -> int:
     from nodemedic.catalog import load_catalog
+    from nodemedic.checks.base import Watcher
     from nodemedic.checks.platform.imds import Imds, resolve_instance_type
     from nodemedic.model import CHECK_FAILED, Health
     from nodemedic.policy import Policy, PolicyState
@@ -67,7 +68,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr, format="%(levelname)s %(message)s")
     imds = Imds(config.imds.endpoint, config.imds.timeout_s) if config.imds.enabled else None
     ctx = node_context(config, resolve_instance_type(config.instance_type, imds))
-    checks = applicable(build_checks(config, ctx, imds), ctx)
+    # One pass: pollers and watchers over a log; event streams (NVML events, DCGM policy) have no past to read.
+    checks = [c for c in applicable(build_checks(config, ctx, imds), ctx)
+              if not isinstance(c, Watcher) or c.scannable]
     policy = Policy(load_catalog(config.catalog), config.policy_config())
     state = PolicyState()
     runner = CheckRunner(lambda f: None)
@@ -99,8 +102,9 @@ def cmd_check(args: argparse.Namespace) -> int:
            [[r["check"], r["status"], str(r["findings"]), r["error"] or ""] for r in rows])
     if active:
         print()
-        _table(["COMPONENT", "CODE", "ACTION", "COUNT", "MESSAGE"],
-               [[f.component, f.code, str(f.action), str(f.count), f.message[:80]] for f in active])
+        _table(["COMPONENT", "CODE", "ACTION", "SOURCES", "COUNT", "MESSAGE"],
+               [[f.component, f.code, _action(f), ",".join(f.sources), str(f.count), f.message[:80]]
+                for f in active])
     print(f"\nverdict: {verdict.health.value}" + (f" ({verdict.action})" if verdict.action != "none" else ""))
     if not checks:
         print("no checks apply to this node")
@@ -136,9 +140,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"fault types: {', '.join(v.fault_types)}; reasons: {', '.join(v.fault_reasons)}")
     if state.active:
         print()
-        _table(["COMPONENT", "CODE", "ACTION", "COUNT", "FIRST SEEN", "LAST SEEN", "MESSAGE"],
-               [[f.component, f.code, str(f.action) + ("" if f.enforced else " (observe)"), str(f.count),
-                 _ago(f.first_seen), _ago(f.last_seen), f.message[:60]]
+        _table(["COMPONENT", "CODE", "ACTION", "SOURCES", "COUNT", "FIRST SEEN", "LAST SEEN", "MESSAGE"],
+               [[f.component, f.code, _action(f), ",".join(f.sources), str(f.count), _ago(f.first_seen),
+                 _ago(f.last_seen), f.message[:60]]
                 for f in sorted(state.active.values(), key=lambda f: -f.last_seen)])
     recent = state.history[-args.history:]
     if recent:
@@ -296,6 +300,13 @@ def cmd_clear(args: argparse.Namespace) -> int:
 
 
 # -- helpers --------------------------------------------------------------------------------------------------------
+def _action(fault: Any) -> str:
+    text = str(fault.action)
+    if fault.held_action is not None:
+        text += f" (wants {fault.held_action}: needs a second source)"
+    return text + ("" if fault.enforced else " (observe)")
+
+
 def _table(header: list[str], rows: list[list[str]]) -> None:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
     for row in [header, *rows]:

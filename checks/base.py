@@ -50,6 +50,9 @@ class Watcher(Check):
         """True once the watcher is positioned on its source, so nothing that happens from now on is missed."""
         return True
 
+    # Whether `scan` gives a one-pass view (a log can be read to its end; an event stream has nothing to re-read).
+    scannable: bool = False
+
     def scan(self) -> list[Finding]:
         """One pass over what is already there (for `nodemedic check`)."""
         raise CheckUnavailable(f"{self.name} has no one-pass mode")

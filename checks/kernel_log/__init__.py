@@ -16,6 +16,7 @@ log = logging.getLogger(__name__)
 
 class KernelLogWatcher(Watcher):
     name = CHECK
+    scannable = True
 
     def __init__(self, path: str | None = None, lookback_s: float | None = None, source: LineSource | None = None,
                  kind: str = "auto"):

@@ -269,10 +269,10 @@ def test_failing_exit_with_truncated_xml_keeps_its_exit_finding():
 @pytest.fixture
 def fake(monkeypatch):
     def use(fixture: str, exit_code: int = 0, stream: str = "stdout", sleep: float = 0) -> None:
-        monkeypatch.setenv("NODEMEDIC_FAKE_SMI_FIXTURE", fixture)
-        monkeypatch.setenv("NODEMEDIC_FAKE_SMI_EXIT", str(exit_code))
-        monkeypatch.setenv("NODEMEDIC_FAKE_SMI_STREAM", stream)
-        monkeypatch.setenv("NODEMEDIC_FAKE_SMI_SLEEP", str(sleep))
+        monkeypatch.setenv("FAKE_NVIDIA_SMI_FIXTURE", fixture)
+        monkeypatch.setenv("FAKE_NVIDIA_SMI_EXIT", str(exit_code))
+        monkeypatch.setenv("FAKE_NVIDIA_SMI_STREAM", stream)
+        monkeypatch.setenv("FAKE_NVIDIA_SMI_SLEEP", str(sleep))
     return use
 
 
