@@ -10,6 +10,7 @@ from typing import Any, Literal, Mapping
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from nodemedic.actions.kubernetes import KubernetesConfig
 from nodemedic.catalog import CatalogError, load_catalog
 from nodemedic.checks.platform.profiles import ProfileError, load_profiles
 from nodemedic.policy import CheckMode, PolicyConfig
@@ -83,8 +84,10 @@ class MetricsConfig(_Section):
 
 
 class ActionsConfig(_Section):
-    backend: Literal["auto", "local"] = "auto"
+    backend: Literal["auto", "local", "kubernetes"] = Field(
+        default="auto", description="auto: kubernetes inside a cluster (KUBERNETES_SERVICE_HOST), else local")
     dry_run: bool = False
+    kubernetes: KubernetesConfig = KubernetesConfig()
 
 
 class ImdsConfig(_Section):

@@ -19,7 +19,7 @@ from nodemedic.catalog import load_catalog
 from nodemedic.checks.base import Check, Poller, Watcher
 from nodemedic.config import Config
 from nodemedic.checks.platform.imds import Imds, resolve_instance_type
-from nodemedic.model import Action, Finding
+from nodemedic.model import Action, Finding, Health, Severity
 from nodemedic.policy import Decision, Policy, PolicyState
 from nodemedic.registry import applicable, build_checks, node_context
 from nodemedic.runner import CheckRunner
@@ -75,9 +75,27 @@ class Agent:
         self._last_save = 0.0
 
     def _default_backends(self) -> list[ActionBackend]:
-        # Kubernetes and Slurm backends plug in here; with neither configured the agent runs embedded and local.
+        actions = self.config.actions
+        kube = actions.kubernetes
+        backend = actions.backend
+        if backend == "auto":
+            in_cluster = bool(os.environ.get("KUBERNETES_SERVICE_HOST")) or bool(kube.kubeconfig or kube.api_url)
+            backend = "kubernetes" if in_cluster else "local"
+        if backend == "kubernetes":
+            from nodemedic.actions.kubernetes import KubernetesBackend
+            return [KubernetesBackend(self.config.node_name, kube, profile=self.config.profile,
+                                      dry_run=actions.dry_run, on_intent=self._operator_request,
+                                      on_refused=lambda why: self.metrics.quarantine_refused.inc())]
+        # With no cluster around the agent runs embedded: it records and prints what it would apply.
         return [LocalBackend(self.config.node_name, Path(self.config.state_dir) / "local-actions.jsonl",
-                             dry_run=self.config.actions.dry_run)]
+                             dry_run=actions.dry_run)]
+
+    def _operator_request(self, health: Health) -> None:
+        """A person asked for a reboot or replacement on the platform: a finding like any other, decided by policy."""
+        action = Action.REPLACE if health is Health.PENDING_REPLACEMENT else Action.REBOOT
+        self.submit(Finding(check="operator", component="node", code="OPERATOR_REQUEST",
+                            message=f"operator set the node to {health.value}", severity=Severity.WARNING,
+                            evidence={"requested": health.value}, recommended_action=action))
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
     def start(self) -> None:

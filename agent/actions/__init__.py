@@ -12,8 +12,19 @@ from nodemedic.model import NodeVerdict
 log = logging.getLogger(__name__)
 
 
+class RetryLater(Exception):
+    """Not an error: the backend applied what it could and wants to be called again after `delay_s`."""
+
+    def __init__(self, delay_s: float, why: str):
+        super().__init__(why)
+        self.delay_s = delay_s
+
+
 class ActionBackend(abc.ABC):
     name: str = "backend"
+
+    def start(self) -> None:
+        """Begin any background work (watches); called once before the first apply."""
 
     @abc.abstractmethod
     def apply(self, verdict: NodeVerdict) -> None:
@@ -41,6 +52,8 @@ class ActionDispatcher:
         self._thread = threading.Thread(target=self._run, name="nodemedic-actions", daemon=True)
 
     def start(self) -> None:
+        for b in self.backends:
+            b.start()
         self._thread.start()
 
     def submit(self, verdict: NodeVerdict) -> None:
@@ -79,11 +92,16 @@ class ActionDispatcher:
                 verdict = self._desired
             assert verdict is not None
             failed = False
+            later: float | None = None
             for backend in self.backends:
                 if self._applied.get(backend.name) == verdict.generation:
                     continue
                 try:
                     backend.apply(verdict)
+                except RetryLater as wait:
+                    log.info("action backend %s: %s", backend.name, wait)
+                    later = wait.delay_s if later is None else min(later, wait.delay_s)
+                    continue
                 except Exception as exc:
                     failed = True
                     log.warning("action backend %s could not apply verdict %s: %s", backend.name,
@@ -97,7 +115,10 @@ class ActionDispatcher:
             if failed:
                 attempt += 1
                 delay = min(self._max_backoff_s, 0.5 * 2 ** min(attempt, 10)) * random.uniform(0.5, 1.0)
-                with self._cond:
-                    self._cond.wait_for(lambda: self._stop, timeout=delay)
             else:
                 attempt = 0
+                delay = later
+            if delay is not None:
+                # Wake early for a newer verdict, which supersedes the one being retried.
+                with self._cond:
+                    self._cond.wait_for(lambda: self._stop or self._desired is not verdict, timeout=delay)

@@ -34,6 +34,8 @@ class Metrics:
         self.check_up = Gauge("nodemedic_check_up", "1 while a check runs normally", ["check"], registry=r)
         self.action_errors = Counter("nodemedic_action_errors", "Failed attempts to apply a verdict",
                                      ["backend"], registry=r)
+        self.quarantine_refused = Counter("nodemedic_quarantine_refused", "Quarantines the cluster-wide circuit "
+                                          "breaker held back (retried later)", registry=r)
         self.info = Gauge("nodemedic_info", "Agent build and node", ["version", "node", "instance_type"],
                           registry=r)
         self.info.labels(__version__, node, instance_type or "unknown").set(1)
