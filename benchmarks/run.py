@@ -16,13 +16,14 @@ from typing import Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import idle  # noqa: E402
+import kube  # noqa: E402
 import latency  # noqa: E402
 import nvml  # noqa: E402
 import storm  # noqa: E402
 import throughput  # noqa: E402
 from harness import FULL, QUICK, Result, Sizes  # noqa: E402
 
-BENCHMARKS: dict[str, ModuleType] = {m.NAME: m for m in (latency, throughput, storm, nvml, idle)}
+BENCHMARKS: dict[str, ModuleType] = {m.NAME: m for m in (latency, throughput, storm, nvml, kube, idle)}
 HEADER = ("BENCHMARK", "METRIC", "VALUE", "TARGET", "RESULT")
 
 

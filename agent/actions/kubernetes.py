@@ -150,6 +150,7 @@ class KubernetesBackend(ActionBackend):
         self._requested: str | None = None  # the last operator request passed on, so one edit is one request
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._watch: Any = None
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -159,6 +160,8 @@ class KubernetesBackend(ActionBackend):
 
     def close(self) -> None:
         self._stop.set()
+        if self._watch is not None:
+            self._watch.stop()  # closes the streaming response, so the watch thread ends now
         if self._watcher is not None:
             self._watcher.join(timeout=5)
 
@@ -294,8 +297,8 @@ class KubernetesBackend(ActionBackend):
 
     def _circuit_breaker(self) -> None:
         selector = f"{self.health_key} in ({','.join(h.value for h in UNHEALTHY)})"
-        held = self._count_nodes(selector)
-        total = self._count_nodes(None)
+        held = self._count_held(selector)
+        total = self._count_all()
         cfg = self.config.circuit_breaker
         allowed = max(1, math.floor(total * cfg.max_fraction))
         if cfg.max_nodes is not None:
@@ -308,14 +311,22 @@ class KubernetesBackend(ActionBackend):
                 self.on_refused(why)
             raise RetryLater(cfg.retry_s, why)
 
-    def _count_nodes(self, selector: str | None) -> int:
-        """Total matching nodes from a one-item page: items plus the server's remainingItemCount."""
-        kwargs: dict[str, Any] = {"limit": 1, "_request_timeout": self.config.request_timeout_s}
-        if selector:
-            kwargs["label_selector"] = selector
-        resp = self.api.list_node(**kwargs)
+    def _count_all(self) -> int:
+        """All nodes, from a one-item page: the item plus the server's remainingItemCount."""
+        resp = self.api.list_node(limit=1, _request_timeout=self.config.request_timeout_s)
         remaining = resp.metadata.remaining_item_count if resp.metadata is not None else None
         return len(resp.items) + int(remaining or 0)
+
+    def _count_held(self, selector: str) -> int:
+        """Nodes matching the selector; the server leaves remainingItemCount unset for selected lists, so page."""
+        count, token = 0, None
+        while True:
+            resp = self.api.list_node(label_selector=selector, limit=500, _continue=token,
+                                      _request_timeout=self.config.request_timeout_s)
+            count += len(resp.items)
+            token = resp.metadata._continue if resp.metadata is not None else None
+            if not token:
+                return count
 
     def _accelerator_pods(self) -> list[dict[str, str]]:
         resp = self.api.list_pod_for_all_namespaces(
@@ -415,7 +426,7 @@ class KubernetesBackend(ActionBackend):
 
         backoff = 1.0
         while not self._stop.is_set():
-            w = watch.Watch()
+            w = self._watch = watch.Watch()
             try:
                 for event in w.stream(self.api.list_node, field_selector=f"metadata.name={self.node_name}",
                                       timeout_seconds=60, _request_timeout=90):
