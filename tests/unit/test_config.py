@@ -75,3 +75,10 @@ def test_malformed_files(tmp_path, text, words):
 def test_explicit_missing_file_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match="no such config file"):
         load_config(tmp_path / "missing.yaml", env={})
+
+
+def test_the_shipped_example_config_loads():
+    from conftest import REPO
+    cfg = load_config(REPO / "deploy" / "nodemedic.example.yaml", env={})
+    assert cfg.catalog["XID_109"]["action"] == "watch"
+    assert cfg.actions.kubernetes.circuit_breaker.max_fraction == 0.10
