@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import queue
 import sys
 import tempfile
 import threading
@@ -13,9 +12,9 @@ from harness import Result, Sizes, check, info, ms, percentile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from fakes.agent import QueueWatcher  # noqa: E402
 from fakes.kube_apiserver import FakeKubeApiServer  # noqa: E402
 
-from nodemedic.checks.base import Watcher  # noqa: E402
 from nodemedic.config import load_config  # noqa: E402
 from nodemedic.daemon import Agent, write_command  # noqa: E402
 from nodemedic.model import Finding, Severity  # noqa: E402
@@ -26,19 +25,6 @@ KEY = "nodemedic.io/node-health-status"
 TARGET_LATENCY_P99_S = 0.500
 TARGET_WRITES_PER_FAULT = 3
 
-
-class _Inject(Watcher):
-    name = "kernel_log"
-
-    def __init__(self) -> None:
-        self.q: queue.Queue[Finding] = queue.Queue()
-
-    def watch(self, emit, stop) -> None:  # type: ignore[no-untyped-def]
-        while not stop.is_set():
-            try:
-                emit(self.q.get(timeout=0.05))
-            except queue.Empty:
-                pass
 
 
 def _xid79(bus: int) -> Finding:
@@ -66,7 +52,7 @@ def run(sizes: Sizes) -> list[Result]:
         config = load_config(env={}, path="/dev/null", overrides={
             "state_dir": str(Path(tmp) / "state"), "node_name": NODE, "metrics.enabled": False,
             "imds.enabled": False, "actions.backend": "kubernetes", "actions.kubernetes.api_url": api.url})
-        inject = _Inject()
+        inject = QueueWatcher()
         agent = Agent(config, checks=[inject], boot_id="bench")
         agent.start()
         loop = threading.Thread(target=agent.loop, daemon=True)

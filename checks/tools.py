@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import subprocess
+import threading
 from dataclasses import dataclass
+from typing import Callable, Iterator
 
 from nodemedic.checks.base import CheckUnavailable
 
@@ -45,3 +48,62 @@ def run_tool(args: list[str], timeout_s: float, env: dict[str, str] | None = Non
         raise CheckUnavailable(f"cannot run {exe}: {exc.strerror}") from exc
     return ToolResult(tuple(args), proc.returncode, proc.stdout[:MAX_OUTPUT].decode("utf-8", "replace"),
                       proc.stderr[:MAX_OUTPUT].decode("utf-8", "replace"))
+
+
+class ToolExited(Exception):
+    """A followed tool ended by itself; carries its exit status and its last lines, to say why."""
+
+    def __init__(self, name: str, returncode: int, tail: list[str]):
+        self.returncode = returncode
+        self.tail = tail
+        said = " | ".join(line.strip() for line in tail if line.strip())[:300] or "no output"
+        super().__init__(f"{name} exited ({returncode}): {said}")
+
+
+def follow_tool(args: list[str], stop: threading.Event, poll_s: float = 0.25,
+                on_start: Callable[[subprocess.Popen[bytes]], None] | None = None) -> Iterator[list[str]]:
+    """Run a long-lived tool and yield its output lines, a batch per read, and [] after each quiet `poll_s`.
+
+    Returns once `stop` is set (the tool is terminated, then killed); raises ToolExited if it ends by itself.
+    """
+    exe = find_tool(args[0])
+    if exe is None:
+        raise CheckUnavailable(f"{args[0]} not found")
+    proc = subprocess.Popen([exe, *args[1:]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    if on_start is not None:
+        on_start(proc)
+    try:
+        fd = proc.stdout.fileno()
+        os.set_blocking(fd, False)
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLHUP)
+        partial = b""
+        tail: list[str] = []
+        while not stop.is_set():
+            if not poller.poll(int(poll_s * 1000)):
+                yield []
+                continue
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                if partial:
+                    tail.append(partial.decode("utf-8", "replace"))
+                raise ToolExited(os.path.basename(exe), proc.wait(timeout=5), tail[-5:])
+            raw_lines = (partial + chunk).split(b"\n")
+            partial = raw_lines.pop()
+            if raw_lines:
+                lines = [raw.decode("utf-8", "replace") for raw in raw_lines]
+                tail = (tail + lines)[-5:]
+                yield lines
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Iterator
 
 from nodemedic.checks.base import CheckUnavailable
+from nodemedic.checks.tools import ToolExited, follow_tool
 
 log = logging.getLogger(__name__)
 
@@ -272,39 +273,14 @@ class JournalSource(LineSource):
         yield from out.stdout.decode("utf-8", "replace").splitlines()
 
     def batches(self, stop: threading.Event, ready: threading.Event | None = None) -> Iterator[list[str]]:
-        exe = shutil.which(self.journalctl)
-        if exe is None:
-            raise CheckUnavailable(f"{self.journalctl} not found")
-        args = [exe, "-k", "-f", "-o", "cat", "--no-pager"]
+        args = [self.journalctl, "-k", "-f", "-o", "cat", "--no-pager"]
         args += [f"--since=-{int(self.lookback_s)}s"] if self.lookback_s else ["-n", "0"]
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
-        assert proc.stdout is not None
         try:
-            fd = proc.stdout.fileno()
-            os.set_blocking(fd, False)
-            poller = select.poll()
-            poller.register(fd, select.POLLIN)
-            partial = b""
-            if ready is not None:
-                ready.set()
-            while not stop.is_set():
-                if not poller.poll(250):
-                    continue
-                chunk = os.read(fd, _READ_SIZE)
-                if not chunk:
-                    err = proc.stderr.read().decode(errors="replace").strip() if proc.stderr else ""
-                    raise RuntimeError(f"journalctl exited ({proc.wait(timeout=5)}): {err[:200]}")
-                raw_lines = (partial + chunk).split(b"\n")
-                partial = raw_lines.pop()
-                if raw_lines:
-                    yield [raw.decode("utf-8", "replace") for raw in raw_lines]
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
+            for batch in follow_tool(args, stop, on_start=lambda _proc: ready.set() if ready else None):
+                if batch:
+                    yield batch
+        except ToolExited as exc:
+            raise RuntimeError(str(exc)) from None
 
 
 def make_source(kind: str = "auto", path: str | None = None, lookback_s: float | None = None) -> LineSource:

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import select
 import subprocess
 import threading
 import time
@@ -20,7 +18,7 @@ from typing import Any, Callable
 
 from nodemedic.checks.base import CheckUnavailable, Emit, NodeContext, Poller, Watcher
 from nodemedic.checks.kernel_log.parser import normalize_bdf
-from nodemedic.checks.tools import ToolResult, find_tool, run_tool
+from nodemedic.checks.tools import ToolExited, ToolResult, find_tool, follow_tool, run_tool
 from nodemedic.model import Action, Finding, Severity
 
 log = logging.getLogger(__name__)
@@ -399,7 +397,6 @@ def violation_finding(v: PolicyViolation, component: str) -> Finding:
                    severity=Severity.WARNING, evidence=evidence)
 
 
-_READ_SIZE = 1 << 16
 _POLL_MS = 100
 _DETAIL_WAIT_S = 0.5  # a violation still missing detail lines after this long is reported without them
 
@@ -448,50 +445,28 @@ class DcgmPolicyWatcher(Watcher):
         # dcgmi prints "Listening for violations." without flushing: line-buffer it so the pipe sees it now.
         if stdbuf := find_tool("stdbuf"):
             args = [stdbuf, "-oL", *args]
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        self.proc = proc
-        try:
-            self._follow(proc, emit, stop)
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
-
-    def _follow(self, proc: subprocess.Popen[bytes], emit: Emit, stop: threading.Event) -> None:
-        assert proc.stdout is not None
-        fd = proc.stdout.fileno()
-        os.set_blocking(fd, False)
-        poller = select.poll()
-        poller.register(fd, select.POLLIN | select.POLLHUP)
         parser = PolicyViolationParser()
-        partial = b""
-        tail: list[str] = []  # the last lines, to say why the follower exited
         last_data = time.monotonic()
-        while not stop.is_set():
-            if not poller.poll(_POLL_MS):
-                if time.monotonic() - last_data >= _DETAIL_WAIT_S:
-                    self._emit(parser.flush(), emit)
-                continue
-            try:
-                chunk = os.read(fd, _READ_SIZE)
-            except BlockingIOError:
-                continue
-            if not chunk:
-                self._emit(parser.flush(), emit)
-                self._exited(proc, (tail + [partial.decode("utf-8", "replace")]) if partial else tail)
-            last_data = time.monotonic()
-            lines = (partial + chunk).split(b"\n")
-            partial = lines.pop()
-            for raw in lines:
-                line = raw.decode("utf-8", "replace")
-                tail = (tail + [line])[-5:]
-                violations = parser.feed(line)
-                if parser.listening or violations:
-                    self._ready.set()
-                self._emit(violations, emit)
+        try:
+            for lines in follow_tool(args, stop, poll_s=_POLL_MS / 1000, on_start=self._started):
+                if not lines:
+                    if time.monotonic() - last_data >= _DETAIL_WAIT_S:
+                        self._emit(parser.flush(), emit)
+                    continue
+                last_data = time.monotonic()
+                for line in lines:
+                    violations = parser.feed(line)
+                    if parser.listening or violations:
+                        self._ready.set()
+                    self._emit(violations, emit)
+        except ToolExited as exc:
+            self._emit(parser.flush(), emit)
+            if any(marker in str(exc).lower() for marker in _CONNECTION_ERRORS):
+                raise CheckUnavailable(f"DCGM not available: {' | '.join(exc.tail).strip()[:300]}") from None
+            raise RuntimeError(str(exc).replace("dcgmi exited", "dcgmi policy --reg exited", 1)) from None
+
+    def _started(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
 
     def _emit(self, violations: list[PolicyViolation], emit: Emit) -> None:
         for v in violations:
@@ -508,9 +483,3 @@ class DcgmPolicyWatcher(Watcher):
                 return gpu_component(v.gpu_id, {})
         return gpu_component(v.gpu_id, self._gpus)
 
-    def _exited(self, proc: subprocess.Popen[bytes], tail: list[str]) -> None:
-        rc = proc.wait(timeout=5)
-        said = " | ".join(ln.strip() for ln in tail if ln.strip())[:300] or "no output"
-        if any(marker in said.lower() for marker in _CONNECTION_ERRORS):
-            raise CheckUnavailable(f"DCGM not available: {said}")
-        raise RuntimeError(f"dcgmi policy --reg exited ({rc}): {said}")

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 import queue
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.request

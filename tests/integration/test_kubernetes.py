@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import queue
-import threading
 import time
 
 import pytest
 
-from nodemedic.checks.base import Watcher
 from nodemedic.config import load_config
 from nodemedic.daemon import Agent, write_command
 from nodemedic.model import Health
 
 from conftest import finding
+from fakes.agent import QueueWatcher, running, wait_for
 from fakes.kube_apiserver import FakeKubeApiServer
 
 pytestmark = pytest.mark.integration
@@ -24,19 +21,6 @@ KEY = "nodemedic.io/node-health-status"
 TAINT = {"key": KEY, "value": "Unschedulable", "effect": "NoSchedule"}
 FOREIGN_TAINT = {"key": "dedicated", "value": "ml", "effect": "NoSchedule"}
 
-
-class QueueWatcher(Watcher):
-    name = "kernel_log"
-
-    def __init__(self):
-        self.q: queue.Queue = queue.Queue()
-
-    def watch(self, emit, stop):
-        while not stop.is_set():
-            try:
-                emit(self.q.get(timeout=0.05))
-            except queue.Empty:
-                pass
 
 
 @pytest.fixture(autouse=True)
@@ -64,26 +48,6 @@ def make_agent(tmp_path, api, boot_id="b1", **cfg):
     return agent, w
 
 
-@contextlib.contextmanager
-def running(agent):
-    agent.start()
-    t = threading.Thread(target=agent.loop, daemon=True)
-    t.start()
-    try:
-        yield agent
-    finally:
-        agent._stop.set()
-        t.join(5)
-        agent.stop()
-
-
-def wait_for(pred, timeout=10.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"{what} not met in time")
 
 
 def labels(api) -> dict:

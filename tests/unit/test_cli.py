@@ -8,7 +8,6 @@ import pytest
 
 from nodemedic.cli import main, xid_line
 from nodemedic.checks.kernel_log.parser import KernelLogClassifier
-from nodemedic.policy import Policy
 from nodemedic.state import StateStore
 
 from conftest import finding, kernel_samples

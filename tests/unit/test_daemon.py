@@ -2,38 +2,22 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
-import queue
-import threading
 import time
 import urllib.request
 
 import pytest
 
 from nodemedic.actions import ActionBackend
-from nodemedic.checks.base import Watcher
 from nodemedic.config import load_config
 from nodemedic.daemon import Agent, AgentAlreadyRunning, write_command
 from nodemedic.model import Health, NodeVerdict
 from nodemedic.state import StateStore
 
 from conftest import finding
+from fakes.agent import QueueWatcher, running, wait_for
 
-
-class QueueWatcher(Watcher):
-    name = "kernel_log"
-
-    def __init__(self):
-        self.q: queue.Queue = queue.Queue()
-
-    def watch(self, emit, stop):
-        while not stop.is_set():
-            try:
-                emit(self.q.get(timeout=0.05))
-            except queue.Empty:
-                pass
 
 
 class Recorder(ActionBackend):
@@ -58,27 +42,6 @@ def make_agent(tmp_path, boot_id="boot-1", backends=None, checks=(), **cfg) -> t
     return Agent(config, checks=[w, *checks], backends=backends, boot_id=boot_id), w
 
 
-@contextlib.contextmanager
-def running(agent: Agent):
-    """The agent started, its loop in a thread, stopped on the way out."""
-    agent.start()
-    t = threading.Thread(target=agent.loop, daemon=True)
-    t.start()
-    try:
-        yield agent
-    finally:
-        agent._stop.set()
-        t.join(5)
-        agent.stop()
-
-
-def wait_for(pred, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,6 @@ virtualenv) and the PyPI packages kubernetes-validate and cel-python.
 from __future__ import annotations
 
 import copy
-import os
 import shutil
 import subprocess
 import sys

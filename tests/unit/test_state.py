@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from nodemedic.policy import Policy, PolicyState
+from nodemedic.policy import PolicyState
 from nodemedic.state import AgentLock, StateStore
 
 from conftest import finding

@@ -16,3 +16,21 @@ def test_missing_tool_and_timeout_are_unavailable():
         run_tool(["no-such-tool-here"], timeout_s=1)
     with pytest.raises(CheckUnavailable, match="timed out after 0.2s"):
         run_tool(["sleep", "5"], timeout_s=0.2)
+
+
+def test_follow_tool_batches_idle_ticks_stop_and_exit():
+    import threading
+
+    from nodemedic.checks.tools import ToolExited, follow_tool
+
+    stop = threading.Event()
+    seen: list[list[str]] = []
+    for batch in follow_tool(["sh", "-c", "echo a; echo b; sleep 30"], stop, poll_s=0.05):
+        seen.append(batch)
+        if sum(len(b) for b in seen) >= 2 and [] in seen:  # both lines, then a quiet tick
+            stop.set()
+    assert [line for b in seen for line in b] == ["a", "b"]
+    with pytest.raises(ToolExited) as exc:
+        for _ in follow_tool(["sh", "-c", "echo bye; exit 4"], threading.Event(), poll_s=0.05):
+            pass
+    assert exc.value.returncode == 4 and exc.value.tail == ["bye"]
