@@ -8,7 +8,7 @@ STATE_DIR ?= $(if $(filter 0,$(shell id -u)),/var/lib/nodemedic,$(CURDIR)/.nodem
 RUN_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test bench install system-deps clean
+.PHONY: run test test-deps bench install system-deps clean
 
 # Debian/Ubuntu Pythons ship venv separately; install it only when it is missing.
 system-deps:
@@ -29,7 +29,17 @@ install: $(VENV)/.installed
 run: install
 	NODEMEDIC_STATE_DIR=$${NODEMEDIC_STATE_DIR:-$(STATE_DIR)} $(BIN)/nodemedic run $(RUN_ARGS)
 
-test: install
+# System packages the tests start for real: Slurm (slurmctld + slurmd on localhost). Installed only when missing.
+TEST_APT_PACKAGES := slurm-wlm
+test-deps:
+	@missing=""; for b in slurmctld slurmd; do command -v $$b >/dev/null || missing=1; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(TEST_APT_PACKAGES) >/dev/null; \
+	  else echo "tests that start Slurm will be skipped: install $(TEST_APT_PACKAGES) as root" >&2; fi; \
+	fi
+
+test: install test-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: install

@@ -298,6 +298,15 @@ def cmd_clear(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- slurm ----------------------------------------------------------------------------------------------------------
+def _slurm_hook(name: str):  # type: ignore[no-untyped-def]
+    def run(args: argparse.Namespace) -> int:
+        from nodemedic import slurm_commands
+
+        return int(getattr(slurm_commands, name)(_config(args), args))
+    return run
+
+
 # -- helpers --------------------------------------------------------------------------------------------------------
 def _action(fault: Any) -> str:
     text = str(fault.action)
@@ -385,6 +394,36 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--all", action="store_true", help="every active fault")
     sp.add_argument("--wait", type=float, default=10.0, help="seconds to wait for a running agent to apply it")
     sp.set_defaults(func=cmd_clear)
+
+    sp = sub.add_parser("slurm", help="Slurm integration: scheduler hooks and the job's node list")
+    ssub = sp.add_subparsers(dest="slurm_command", required=True)
+    np_ = ssub.add_parser("nodelist", help="the running job's current nodes, master node and address "
+                                          "(from scontrol, not the stale SLURM_JOB_NODELIST)")
+    np_.add_argument("--job", help="job id (default $SLURM_JOB_ID)")
+    np_.add_argument("--format", choices=["shell", "json", "hosts"], default="shell")
+    np_.add_argument("--timeout", type=float, default=30.0, help="seconds for each scontrol call")
+    np_.set_defaults(func=lambda args: __import__("nodemedic.slurm_nodelist", fromlist=["main"]).main(args))
+
+    for hook, help_ in (("healthcheck", "HealthCheckProgram: drain from the agent's cached verdict (well under 1 s)"),
+                        ("prolog", "Prolog: refuse a job on a node the agent holds unhealthy"),
+                        ("epilog", "Epilog: record the job id with the faults found around it")):
+        hp = ssub.add_parser(hook, help=help_)
+        common(hp)
+        hp.set_defaults(func=_slurm_hook(hook))
+
+    sp = sub.add_parser("node", help="manual recovery of a Slurm node: the reasons recovery tooling keys on")
+    common(sp)
+    nsub = sp.add_subparsers(dest="node_command", required=True)
+    for verb, help_ in (("reboot", "set the node to be rebooted (hyperpod: state=fail reason=Action:Reboot)"),
+                        ("replace", "set the node to be replaced (hyperpod: state=fail reason=Action:Replace)"),
+                        ("resume", "return the node to service")):
+        vp = nsub.add_parser(verb, help=help_)
+        vp.add_argument("node")
+        if verb == "replace":
+            vp.add_argument("--force", action="store_true", help="state=down: kills running jobs (asks first)")
+            vp.add_argument("--yes", action="store_true", help="do not ask")
+        vp.add_argument("--dry-run", action="store_true", help="print the scontrol command only")
+    sp.set_defaults(func=_slurm_hook("node_command"))
 
     sp = sub.add_parser("version", help="print the version")
     sp.set_defaults(func=lambda args: print(f"nodemedic {__version__}") or 0)

@@ -11,6 +11,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nodemedic.actions.kubernetes import KubernetesConfig
+from nodemedic.actions.slurm import SlurmConfig
 from nodemedic.catalog import CatalogError, load_catalog
 from nodemedic.checks.platform.profiles import ProfileError, load_profiles
 from nodemedic.policy import CheckMode, PolicyConfig
@@ -84,10 +85,12 @@ class MetricsConfig(_Section):
 
 
 class ActionsConfig(_Section):
-    backend: Literal["auto", "local", "kubernetes"] = Field(
-        default="auto", description="auto: kubernetes inside a cluster (KUBERNETES_SERVICE_HOST), else local")
+    backend: Literal["auto", "local", "kubernetes", "slurm"] = Field(
+        default="auto", description="auto: kubernetes inside a pod, slurm on a Slurm node (scontrol and a "
+                                    "slurm.conf), else local")
     dry_run: bool = False
     kubernetes: KubernetesConfig = KubernetesConfig()
+    slurm: SlurmConfig = SlurmConfig()
 
 
 class ImdsConfig(_Section):

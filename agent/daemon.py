@@ -6,11 +6,12 @@ import json
 import logging
 import os
 import queue
+import shutil
 import signal
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from nodemedic import __version__
 from nodemedic.actions import ActionBackend, ActionDispatcher
@@ -79,13 +80,16 @@ class Agent:
         kube = actions.kubernetes
         backend = actions.backend
         if backend == "auto":
-            in_cluster = bool(os.environ.get("KUBERNETES_SERVICE_HOST")) or bool(kube.kubeconfig or kube.api_url)
-            backend = "kubernetes" if in_cluster else "local"
+            backend = detect_backend(actions)
         if backend == "kubernetes":
             from nodemedic.actions.kubernetes import KubernetesBackend
             return [KubernetesBackend(self.config.node_name, kube, profile=self.config.profile,
                                       dry_run=actions.dry_run, on_intent=self._operator_request,
                                       on_refused=lambda why: self.metrics.quarantine_refused.inc())]
+        if backend == "slurm":
+            from nodemedic.actions.slurm import SlurmBackend
+            return [SlurmBackend(actions.slurm, self.config.state_dir, profile=self.config.profile,
+                                 dry_run=actions.dry_run)]
         # With no cluster around the agent runs embedded: it records and prints what it would apply.
         return [LocalBackend(self.config.node_name, Path(self.config.state_dir) / "local-actions.jsonl",
                              dry_run=actions.dry_run)]
@@ -266,6 +270,17 @@ class Agent:
                 path.unlink()
             except OSError:
                 pass
+
+
+def detect_backend(actions: Any) -> str:
+    """kubernetes inside a pod, slurm where scontrol and a slurm.conf are, else the embedded local backend."""
+    kube = actions.kubernetes
+    if os.environ.get("KUBERNETES_SERVICE_HOST") or kube.kubeconfig or kube.api_url:
+        return "kubernetes"
+    conf = os.environ.get("SLURM_CONF", "/etc/slurm/slurm.conf")
+    if shutil.which(actions.slurm.scontrol) and Path(conf).exists():
+        return "slurm"
+    return "local"
 
 
 def apply_command(policy: Policy, state: PolicyState, cmd: dict, now: float) -> list[Decision]:

@@ -19,11 +19,12 @@ import idle  # noqa: E402
 import kube  # noqa: E402
 import latency  # noqa: E402
 import nvml  # noqa: E402
+import slurm  # noqa: E402
 import storm  # noqa: E402
 import throughput  # noqa: E402
 from harness import FULL, QUICK, Result, Sizes  # noqa: E402
 
-BENCHMARKS: dict[str, ModuleType] = {m.NAME: m for m in (latency, throughput, storm, nvml, kube, idle)}
+BENCHMARKS: dict[str, ModuleType] = {m.NAME: m for m in (latency, throughput, storm, nvml, kube, slurm, idle)}
 HEADER = ("BENCHMARK", "METRIC", "VALUE", "TARGET", "RESULT")
 
 

@@ -66,3 +66,24 @@ def agent_env(tmp_path) -> dict[str, str]:
                PYTHONUNBUFFERED="1")
     (tmp_path / "empty.yaml").write_text("{}\n")
     return env
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """One real slurmctld + slurmd for the whole session (Debian's slurm-wlm, auth/none, localhost)."""
+    from slurm_cluster import SlurmCluster, available
+
+    why = available()
+    if why:
+        pytest.skip(why)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm")).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def slurm(slurm_cluster):
+    """The cluster, with its node idle and reason-free before and after the test."""
+    slurm_cluster.reset_node()
+    yield slurm_cluster
+    slurm_cluster.reset_node()

@@ -1,0 +1,8 @@
+#!/bin/bash
+# slurm.conf: Epilog=/usr/local/lib/nodemedic/epilog.sh
+# A non-zero exit (the timeout's 124 included) makes Slurm drain the node; the timeout bounds how long the node
+# stays completing.
+# slurmd runs hooks with a bare environment: fix PATH so /usr/local/bin/nodemedic and coreutils' timeout are found.
+PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+export PATH
+exec timeout --kill-after=5 50 nodemedic slurm epilog "$@"
