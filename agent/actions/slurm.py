@@ -128,6 +128,8 @@ class SlurmBackend(ActionBackend):
             # Another admin's drain stays exactly as it is: never overwrite a reason we did not write.
             log.warning("node %s already %s by someone else (%r): not overwriting it with %r", info.name,
                         info.state, info.reason, reason)
+            self._write_record({"node": info.name, "foreign_state": info.state, "foreign_reason": info.reason,
+                                "wanted": reason})
             return
         if ours and info.reason == reason and info.is_(state):
             return  # already applied: nothing to send

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 
@@ -75,6 +76,8 @@ def test_a_foreign_drain_is_never_overwritten_nor_resumed(tmp_path, slurm):
         wait_for(lambda: agent.state.verdict.health is Health.PENDING_REBOOT)
         agent.dispatcher.wait_idle(5)
         assert slurm.node_state() == ("drained", "admin: bad DIMM, ticket 42")
+        record = json.loads((tmp_path / "state" / "slurm-owned.json").read_text())
+        assert record["foreign_reason"] == "admin: bad DIMM, ticket 42"  # recorded, not touched
         write_command(tmp_path / "state", {"command": "clear", "code": "XID_79"})
         wait_for(lambda: agent.state.verdict.health is Health.SCHEDULABLE)
         agent.dispatcher.wait_idle(5)
