@@ -15,9 +15,12 @@ from nodemedic.actions.slurm import SlurmConfig
 from nodemedic.catalog import CatalogError, load_catalog
 from nodemedic.checks.platform.profiles import ProfileError, load_profiles
 from nodemedic.policy import CheckMode, PolicyConfig
+from nodemedic.recovery.protocol import SOCKET_ENV
 
 DEFAULT_CONFIG_PATH = "/etc/nodemedic/nodemedic.yaml"
 ENV_PREFIX = "NODEMEDIC_"
+# NODEMEDIC_* variables that are not settings: the config path, and what training processes read.
+NOT_CONFIG = {"NODEMEDIC_CONFIG", SOCKET_ENV}
 
 
 class ConfigError(ValueError):
@@ -147,7 +150,7 @@ def load_config(path: str | os.PathLike[str] | None = None, env: Mapping[str, st
     if env.get("NODE_NAME") and "node_name" not in data:  # Kubernetes downward API
         data["node_name"] = env["NODE_NAME"]
     for name, value in env.items():
-        if not name.startswith(ENV_PREFIX) or name == f"{ENV_PREFIX}CONFIG":
+        if not name.startswith(ENV_PREFIX) or name in NOT_CONFIG:
             continue
         keys = tuple(k.lower() for k in name[len(ENV_PREFIX):].split("__"))
         _set(data, keys, _scalar(value))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import tempfile
 import threading
@@ -45,6 +46,7 @@ def _wait(pred, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
 
 
 def run(sizes: Sizes) -> list[Result]:
+    logging.getLogger("nodemedic").setLevel(logging.ERROR)  # the agent runs in-process: keep its log off the table
     faults = max(20, sizes.injections // 4)
     quiet_s = 10.0 if sizes.injections < 100 else 30.0
     with FakeKubeApiServer() as api, tempfile.TemporaryDirectory() as tmp:
