@@ -16,6 +16,7 @@ from nodemedic.catalog import CatalogError, load_catalog
 from nodemedic.checks.platform.profiles import ProfileError, load_profiles
 from nodemedic.policy import CheckMode, PolicyConfig
 from nodemedic.recovery.protocol import SOCKET_ENV
+from nodemedic.recovery_server import RecoveryConfig
 
 DEFAULT_CONFIG_PATH = "/etc/nodemedic/nodemedic.yaml"
 ENV_PREFIX = "NODEMEDIC_"
@@ -116,6 +117,7 @@ class Config(_Section):
     metrics: MetricsConfig = MetricsConfig()
     actions: ActionsConfig = ActionsConfig()
     imds: ImdsConfig = ImdsConfig()
+    recovery: RecoveryConfig = RecoveryConfig()
 
     def policy_config(self) -> PolicyConfig:
         """The policy's settings with each check's enforce/observe mode folded in."""

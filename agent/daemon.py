@@ -22,6 +22,7 @@ from nodemedic.config import Config
 from nodemedic.checks.platform.imds import Imds, resolve_instance_type
 from nodemedic.model import Action, Finding, Health, Severity
 from nodemedic.policy import Decision, Policy, PolicyState
+from nodemedic.recovery_server import RecoveryServer, RecoveryServerError, signal_ranks
 from nodemedic.registry import applicable, build_checks, node_context
 from nodemedic.runner import CheckRunner
 from nodemedic.state import AgentLock, StateStore
@@ -74,6 +75,8 @@ class Agent:
         self._dirty = False
         self._decided = False
         self._last_save = 0.0
+        self.recovery = (RecoveryServer.from_config(config.recovery, on_report=self.submit)
+                         if config.recovery.enabled else None)
 
     def _default_backends(self) -> list[ActionBackend]:
         actions = self.config.actions
@@ -128,6 +131,12 @@ class Agent:
         self._publish_verdict()
         self.dispatcher.start()
         self.dispatcher.submit(self.state.verdict)  # reconcile the platform with what we remember
+        if self.recovery is not None:
+            try:
+                self.recovery.start()
+            except (OSError, RecoveryServerError) as exc:  # costs in-process recovery, never detection
+                log.error("recovery socket %s unavailable: %s", self.config.recovery.socket, exc)
+                self.recovery = None
         watchers = [c for c in self.checks if isinstance(c, Watcher)]
         for w in watchers:
             self._threads.append(self.runner.start_watcher(w, self._stop))
@@ -145,6 +154,8 @@ class Agent:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=5)
+        if self.recovery is not None:
+            self.recovery.stop()
         self._drain()
         if self._dirty:
             self._save()
@@ -216,6 +227,9 @@ class Agent:
         return decision
 
     def _record(self, decision: Decision) -> None:
+        if self.recovery is not None:
+            # First, before logging: ranks must stop their step within milliseconds.
+            signal_ranks(self.recovery, decision, self.policy.catalog, self.config.recovery)
         self.detections.emit(decision)
         self.metrics.decision(decision)
         self._publish_verdict()  # cheap: backends act only when the verdict's generation moves

@@ -169,8 +169,9 @@ class AgentProcess:
         """Start the agent and wait for its start line and metrics port."""
         args = [*nodemedic_command(), "run", "--config", "/dev/null", "--kernel-log", str(self.kernel_log),
                 "--state-dir", str(self.workdir / "state"), "--metrics-port", "0", "--node-name", "bench"]
+        env = {**agent_env(), "NODEMEDIC_RECOVERY__SOCKET": str(self.workdir / "recovery.sock")}
         self._proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._stderr, stdin=subprocess.DEVNULL,
-                                      env=agent_env())
+                                      env=env)
         self._reader = threading.Thread(target=self._read, name="agent-stdout", daemon=True)
         self._reader.start()
         with self._cond:

@@ -53,7 +53,7 @@ def run(sizes: Sizes) -> list[Result]:
         api.add_node(NODE)
         config = load_config(env={}, path="/dev/null", overrides={
             "state_dir": str(Path(tmp) / "state"), "node_name": NODE, "metrics.enabled": False,
-            "imds.enabled": False, "actions.backend": "kubernetes", "actions.kubernetes.api_url": api.url})
+            "imds.enabled": False, "recovery.enabled": False, "actions.backend": "kubernetes", "actions.kubernetes.api_url": api.url})
         inject = QueueWatcher()
         agent = Agent(config, checks=[inject], boot_id="bench")
         agent.start()

@@ -32,7 +32,8 @@ def run(sizes: Sizes) -> list[Result]:
         log.write_text("")
         env = {k: v for k, v in os.environ.items() if not k.startswith("NODEMEDIC_")}
         env.update(SLURM_CONF=str(cluster.conf), NODEMEDIC_IMDS__ENABLED="false", NODEMEDIC_ACTIONS__BACKEND="slurm",
-                   NODEMEDIC_ACTIONS__SLURM__NODE_NAME=cluster.node, PYTHONUNBUFFERED="1")
+                   NODEMEDIC_ACTIONS__SLURM__NODE_NAME=cluster.node, PYTHONUNBUFFERED="1",
+                   NODEMEDIC_RECOVERY__SOCKET=str(root / "recovery.sock"))
         state = root / "state"
         agent = subprocess.Popen([*nodemedic_command(), "run", "--config", "/dev/null", "--kernel-log", str(log),
                                   "--state-dir", str(state), "--metrics-port", "0"],

@@ -63,7 +63,7 @@ def agent_env(tmp_path) -> dict[str, str]:
     """Environment for a nodemedic subprocess: no IMDS lookups, no config file from the host."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("NODEMEDIC_")}
     env.update(NODEMEDIC_IMDS__ENABLED="false", NODEMEDIC_CONFIG=str(tmp_path / "empty.yaml"),
-               PYTHONUNBUFFERED="1")
+               NODEMEDIC_RECOVERY__SOCKET=str(tmp_path / "run" / "recovery.sock"), PYTHONUNBUFFERED="1")
     (tmp_path / "empty.yaml").write_text("{}\n")
     return env
 

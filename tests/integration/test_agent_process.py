@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import queue
 import re
 import signal
@@ -224,3 +225,35 @@ def test_unreadable_kernel_log_source_reports_check_failure(tmp_path, agent_env)
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
+
+
+def test_ranks_on_the_recovery_socket_are_signalled(tmp_path, agent_env):
+    import socket as socketlib
+
+    from nodemedic.recovery.protocol import FrameReader, encode
+
+    agent = AgentProcess(tmp_path, agent_env)
+    try:
+        path = agent_env["NODEMEDIC_RECOVERY__SOCKET"]
+        rank = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+        rank.settimeout(10)
+        rank.connect(path)
+        rank.sendall(encode({"type": "register", "rank": 0, "local_rank": 0, "pid": os.getpid(), "job_id": "j1",
+                             "gpus": ["0000:3b:00.0"]}))
+        reader = FrameReader()
+        registered = reader.feed(rank.recv(4096))[0]
+        assert registered["type"] == "registered"
+        with open(agent.log, "a") as fh:
+            fh.write("NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, GPU has fallen off the bus.\n")
+        messages = []
+        while not messages:
+            messages = reader.feed(rank.recv(4096))
+        fault = messages[0]
+        assert fault["type"] == "fault" and fault["code"] == "XID_79"
+        assert fault["generation"] > registered["generation"]
+        rank.close()
+        assert agent.terminate() == 0
+        assert not os.path.exists(path)
+    finally:
+        if agent.proc.poll() is None:
+            agent.proc.kill()

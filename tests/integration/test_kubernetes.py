@@ -39,7 +39,7 @@ def api():
 
 def make_agent(tmp_path, api, boot_id="b1", **cfg):
     overrides = {"state_dir": str(tmp_path / "state"), "node_name": NODE, "metrics.enabled": False,
-                 "imds.enabled": False, "actions.backend": "kubernetes", "actions.kubernetes.api_url": api.url,
+                 "imds.enabled": False, "recovery.enabled": False, "actions.backend": "kubernetes", "actions.kubernetes.api_url": api.url,
                  "actions.kubernetes.drain.poll_s": 0.2, "actions.kubernetes.circuit_breaker.retry_s": 0.3,
                  **cfg}
     w = QueueWatcher()

@@ -28,7 +28,7 @@ def slurm_env(slurm, monkeypatch):
 
 
 def make_agent(tmp_path, slurm, **cfg):
-    overrides = {"state_dir": str(tmp_path / "state"), "metrics.enabled": False, "imds.enabled": False,
+    overrides = {"state_dir": str(tmp_path / "state"), "metrics.enabled": False, "imds.enabled": False, "recovery.enabled": False,
                  "actions.backend": "slurm", **cfg}
     w = QueueWatcher()
     agent = Agent(load_config(env={}, path=None, overrides=overrides), checks=[w], boot_id="b1")

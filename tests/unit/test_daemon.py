@@ -37,7 +37,7 @@ class Recorder(ActionBackend):
 def make_agent(tmp_path, boot_id="boot-1", backends=None, checks=(), **cfg) -> tuple[Agent, QueueWatcher]:
     config = load_config(env={}, path=None, overrides={
         "state_dir": str(tmp_path / "state"), "metrics.host": "127.0.0.1", "metrics.port": 0,
-        "imds.enabled": False, **cfg})
+        "imds.enabled": False, "recovery.enabled": False, **cfg})
     w = QueueWatcher()
     return Agent(config, checks=[w, *checks], backends=backends, boot_id=boot_id), w
 
