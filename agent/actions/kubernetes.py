@@ -139,7 +139,7 @@ class KubernetesBackend(ActionBackend):
         self.node_name = node_name
         self.config = config
         self.prefix = config.prefix or PREFIXES.get(profile, PREFIXES["default"])
-        self.api = api if api is not None else make_api(config)
+        self._api = api  # built on first use: a missing kubeconfig is a retried action error, not a crash
         self.dry_run = dry_run
         self.on_intent = on_intent
         self.on_refused = on_refused
@@ -151,6 +151,12 @@ class KubernetesBackend(ActionBackend):
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
         self._watch: Any = None
+
+    @property
+    def api(self) -> Any:
+        if self._api is None:
+            self._api = make_api(self.config)
+        return self._api
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
     def start(self) -> None:

@@ -96,3 +96,11 @@ def test_hyperpod_prefix():
     assert b.health_key == "sagemaker.amazonaws.com/node-health-status"
     assert KubernetesBackend("n", KubernetesConfig(prefix="example.com/"), api=object()).health_key == \
         "example.com/node-health-status"
+
+
+def test_no_cluster_credentials_is_an_action_error_not_a_crash(tmp_path, monkeypatch):
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    b = KubernetesBackend("node-1", KubernetesConfig(kubeconfig=str(tmp_path / "missing")))  # constructing is fine
+    from nodemedic.model import NodeVerdict
+    with pytest.raises(Exception):
+        b.apply(NodeVerdict())  # the dispatcher logs it, counts it and retries with backoff
