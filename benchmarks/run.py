@@ -19,12 +19,13 @@ import idle  # noqa: E402
 import kube  # noqa: E402
 import latency  # noqa: E402
 import nvml  # noqa: E402
+import recovery  # noqa: E402
 import slurm  # noqa: E402
 import storm  # noqa: E402
 import throughput  # noqa: E402
 from harness import FULL, QUICK, Result, Sizes  # noqa: E402
 
-BENCHMARKS: dict[str, ModuleType] = {m.NAME: m for m in (latency, throughput, storm, nvml, kube, slurm, idle)}
+BENCHMARKS: dict[str, ModuleType] = {m.NAME: m for m in (latency, throughput, storm, nvml, kube, slurm, recovery, idle)}
 HEADER = ("BENCHMARK", "METRIC", "VALUE", "TARGET", "RESULT")
 
 
