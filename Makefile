@@ -29,10 +29,11 @@ install: $(VENV)/.installed
 run: install
 	NODEMEDIC_STATE_DIR=$${NODEMEDIC_STATE_DIR:-$(STATE_DIR)} $(BIN)/nodemedic run $(RUN_ARGS)
 
-# System packages the tests start for real: Slurm (slurmctld + slurmd on localhost). Installed only when missing.
-TEST_APT_PACKAGES := slurm-wlm
+# System packages the tests run for real: Slurm (slurmctld + slurmd on localhost), stress-ng, libfabric's
+# fi_pingpong/fi_info (tcp provider on loopback). Installed only when missing.
+TEST_APT_PACKAGES := slurm-wlm stress-ng libfabric-bin
 test-deps:
-	@missing=""; for b in slurmctld slurmd; do command -v $$b >/dev/null || missing=1; done; \
+	@missing=""; for b in slurmctld slurmd stress-ng fi_pingpong; do command -v $$b >/dev/null || missing=1; done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(TEST_APT_PACKAGES) >/dev/null; \

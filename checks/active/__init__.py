@@ -1,0 +1,1 @@
+"""Active deep checks: tests that load the node (stress-ng, fi_pingpong, NCCL all-reduce, DCGM diagnostics)."""
