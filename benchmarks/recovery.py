@@ -13,14 +13,11 @@ import importlib.util
 
 import datetime
 import os
-import selectors
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -96,57 +93,6 @@ def _worker(mode: str, rank: int, world: int, port: int, workdir: Path, tag: int
 
 # -- the driver ------------------------------------------------------------------------------------------------------
 
-class _Agent:
-    """Just enough of the node agent: accept registrations, broadcast `fault`."""
-
-    def __init__(self, path: str):
-        from nodemedic.recovery.protocol import FrameReader, encode
-
-        self._encode, self._reader = encode, FrameReader
-        self.path, self.generation, self.conns = path, 1, []
-        self._stop = threading.Event()
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(path)
-        self._listener.listen()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        sel = selectors.DefaultSelector()
-        sel.register(self._listener, selectors.EVENT_READ)
-        readers = {}
-        while not self._stop.is_set():
-            for key, _ in sel.select(0.05):
-                if key.fileobj is self._listener:
-                    conn, _ = self._listener.accept()
-                    readers[conn] = self._reader()
-                    sel.register(conn, selectors.EVENT_READ)
-                    continue
-                data = key.fileobj.recv(65536)
-                if not data:
-                    sel.unregister(key.fileobj)
-                    continue
-                for message in readers[key.fileobj].feed(data):
-                    if message["type"] == "register":
-                        key.fileobj.sendall(self._encode({"type": "registered", "generation": self.generation}))
-                        self.conns.append(key.fileobj)
-        sel.close()
-        for conn in readers:
-            conn.close()
-
-    def fault(self) -> None:
-        self.generation += 1
-        frame = self._encode({"type": "fault", "generation": self.generation, "code": "BENCH",
-                              "component": "gpu:0", "reason": "benchmark fault"})
-        for conn in self.conns:
-            conn.sendall(frame)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._listener.close()
-
-
 class _Job:
     def __init__(self, workdir: Path, mode: str, sock: str = ""):
         import torch.distributed as dist
@@ -199,13 +145,16 @@ class _Job:
 
 
 def _in_process(workdir: Path, faults: int) -> list[float]:
-    agent = _Agent(str(workdir / "agent.sock"))
-    job = _Job(workdir, "inproc", agent.path)
+    from nodemedic.recovery_server import RecoveryServer  # the agent's own socket server, not a stand-in
+
+    agent = RecoveryServer(str(workdir / "agent.sock"))
+    agent.start()
+    job = _Job(workdir, "inproc", str(agent.path))
     try:
         job.launch(0)
         job.wait_back(0)
         deadline = time.monotonic() + 30
-        while len(agent.conns) < WORLD:
+        while len(agent.ranks()) < WORLD:
             if time.monotonic() > deadline:
                 raise RuntimeError("ranks did not register with the agent")
             time.sleep(0.01)
@@ -213,7 +162,7 @@ def _in_process(workdir: Path, faults: int) -> list[float]:
         for generation in range(1, faults + 1):
             time.sleep(0.3)  # some training between faults
             sent = time.time()
-            agent.fault()
+            agent.broadcast_fault("BENCH", "gpu:0", "benchmark fault")
             samples.append(job.wait_back(generation) - sent)
         job.finish()
         return samples

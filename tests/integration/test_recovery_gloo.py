@@ -9,12 +9,9 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import selectors
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -24,7 +21,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 from nodemedic.recovery import RESTART_EXIT_CODE, Wrapper  # noqa: E402
-from nodemedic.recovery.protocol import FrameReader, encode  # noqa: E402
+from nodemedic.recovery_server import RecoveryServer  # noqa: E402
 
 pytestmark = pytest.mark.integration
 STEPS = 6
@@ -94,53 +91,8 @@ def misbehave(scenario: str, ctx, store) -> None:
 
 # -- the test side ---------------------------------------------------------------------------------------------------
 
-class FakeAgent:
-    def __init__(self, path: Path, generation: int = 1000):
-        self.path, self.generation, self.conns = str(path), generation, []
-        self._stop = threading.Event()
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(self.path)
-        self._listener.listen()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self):
-        sel = selectors.DefaultSelector()
-        sel.register(self._listener, selectors.EVENT_READ)
-        readers = {}
-        while not self._stop.is_set():
-            for key, _ in sel.select(0.05):
-                if key.fileobj is self._listener:
-                    conn, _ = self._listener.accept()
-                    readers[conn] = FrameReader()
-                    sel.register(conn, selectors.EVENT_READ)
-                    continue
-                data = key.fileobj.recv(65536)
-                if not data:
-                    sel.unregister(key.fileobj)
-                    continue
-                for message in readers[key.fileobj].feed(data):
-                    if message["type"] == "register":
-                        key.fileobj.sendall(encode({"type": "registered", "generation": self.generation}))
-                        self.conns.append(key.fileobj)
-        sel.close()
-        for conn in readers:
-            conn.close()
-
-    def fault(self) -> None:
-        self.generation += 1
-        for conn in self.conns:
-            conn.sendall(encode({"type": "fault", "generation": self.generation, "code": "XID_13",
-                                 "component": "gpu:0", "reason": "graphics engine exception"}))
-
-    def stop(self):
-        self._stop.set()
-        self._thread.join(5)
-        self._listener.close()
-
-
 class Job:
-    def __init__(self, tmp_path: Path, scenario: str, world: int, agent: FakeAgent | None = None):
+    def __init__(self, tmp_path: Path, scenario: str, world: int, agent: RecoveryServer | None = None):
         self.out = tmp_path
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=30))
@@ -148,7 +100,7 @@ class Job:
         env.pop("NODEMEDIC_RECOVERY_SOCKET", None)
         self.procs = [subprocess.Popen(
             [sys.executable, __file__, scenario, str(r), str(world), str(self.store.port), str(tmp_path),
-             agent.path if agent else ""],
+             str(agent.path) if agent else ""],
             stdout=open(tmp_path / f"{r}.log", "w"), stderr=subprocess.STDOUT, env=env) for r in range(world)]
 
     def wait_key(self, key: str, timeout: float = 30) -> str:
@@ -200,17 +152,18 @@ def test_rank_raises_all_reexecute_and_match_a_fault_free_run(job):
 
 
 def test_agent_fault_reaches_a_rank_blocked_in_all_reduce_and_a_computing_one(job, tmp_path):
-    agent = FakeAgent(tmp_path / "agent.sock")
+    agent = RecoveryServer(str(tmp_path / "agent.sock"))  # the agent's own socket server
+    agent.start()
     try:
         j = job("agent", 2, agent)
         j.wait_key("test/blocked")
         j.wait_key("test/computing")
         time.sleep(0.2)  # rank 0 is inside the all_reduce by now
         deadline = time.monotonic() + 10
-        while len(agent.conns) < 2:
+        while len(agent.ranks()) < 2:
             assert time.monotonic() < deadline, j.logs()
             time.sleep(0.01)
-        agent.fault()
+        agent.broadcast_fault("XID_13", "gpu:0", "graphics engine exception")
         assert j.wait() == [0, 0], j.logs()
     finally:
         agent.stop()
