@@ -222,22 +222,9 @@ class KubernetesBackend(ActionBackend):
         spec = node.get("spec") or {}
         owned = Owned.parse(annotations.get(self.owned_key))
         new_owned = Owned(cordon=owned.cordon and bool(spec.get("unschedulable")))
-        label_patch: dict[str, str | None] = {}
-        for key, value in want.labels.items():
-            if labels.get(key) != value:
-                label_patch[key] = value
-            new_owned.labels.append(key)
-        for key in owned.labels:
-            if key not in want.labels and key in labels:
-                label_patch[key] = None  # ours, no longer wanted
-        ann_patch: dict[str, str | None] = {}
-        for key, value in want.annotations.items():
-            if annotations.get(key) != value:
-                ann_patch[key] = value
-            new_owned.annotations.append(key)
-        for key in owned.annotations:
-            if key not in want.annotations and key in annotations:
-                ann_patch[key] = None
+        label_patch = _map_patch(labels, want.labels, owned.labels)
+        ann_patch = _map_patch(annotations, want.annotations, owned.annotations)
+        new_owned.labels, new_owned.annotations = list(want.labels), list(want.annotations)
 
         taints = list(spec.get("taints") or [])
         others = [t for t in taints if t.get("key") != self.health_key]
@@ -453,6 +440,13 @@ class KubernetesBackend(ActionBackend):
                 log.info("node watch ended (%s); reconnecting in %.0fs", exc, backoff)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 60)
+
+
+def _map_patch(current: dict[str, str], want: dict[str, str], owned: list[str]) -> dict[str, str | None]:
+    """Merge-patch entries for one map: what is wanted and differs, and None for our keys no longer wanted."""
+    patch: dict[str, str | None] = {k: v for k, v in want.items() if current.get(k) != v}
+    patch.update({k: None for k in owned if k not in want and k in current})
+    return patch
 
 
 class _Conflict(Exception):
