@@ -254,10 +254,6 @@ class Policy:
             state.sightings.pop(k, None)
         return self._clear(state, keys, now, Outcome.CLEARED, "operator", "cleared by operator")
 
-    def set_deep_check(self, state: PolicyState, status: str | None, now: float) -> None:
-        state.verdict.deep_check = status
-        state.verdict.updated_at = now
-
     # -- internals -----------------------------------------------------------------------------------------------
     def _dedup(self, entry: CatalogEntry) -> float:
         return entry.dedup_window_s if entry.dedup_window_s is not None else self.config.dedup_window_s
