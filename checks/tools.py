@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import select
 import shutil
+import signal
 import subprocess
 import threading
 from dataclasses import dataclass
@@ -35,19 +36,43 @@ def find_tool(name: str, search_path: str | None = None) -> str | None:
 
 
 def run_tool(args: list[str], timeout_s: float, env: dict[str, str] | None = None) -> ToolResult:
-    """Run a tool to completion. A missing binary or a timeout raises CheckUnavailable; a non-zero exit does not."""
+    """Run a tool to completion. A missing binary or a timeout raises CheckUnavailable; a non-zero exit does not.
+
+    The tool runs in its own process group, and a timeout kills the whole group: launchers (mpirun, srun,
+    stress-ng's workers) leave no grandchildren behind.
+    """
     exe = find_tool(args[0])
     if exe is None:
         raise CheckUnavailable(f"{args[0]} not found")
     try:
-        proc = subprocess.run([exe, *args[1:]], capture_output=True, timeout=timeout_s, stdin=subprocess.DEVNULL,
-                              env=env, check=False)
-    except subprocess.TimeoutExpired as exc:
-        raise CheckUnavailable(f"{os.path.basename(exe)} timed out after {timeout_s:g}s") from exc
+        proc = subprocess.Popen([exe, *args[1:]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL, env=env, start_new_session=True)
     except OSError as exc:
         raise CheckUnavailable(f"cannot run {exe}: {exc.strerror}") from exc
-    return ToolResult(tuple(args), proc.returncode, proc.stdout[:MAX_OUTPUT].decode("utf-8", "replace"),
-                      proc.stderr[:MAX_OUTPUT].decode("utf-8", "replace"))
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        _kill_group(proc)
+        raise CheckUnavailable(f"{os.path.basename(exe)} timed out after {timeout_s:g}s") from exc
+    except BaseException:
+        _kill_group(proc)
+        raise
+    return ToolResult(tuple(args), proc.returncode, stdout[:MAX_OUTPUT].decode("utf-8", "replace"),
+                      stderr[:MAX_OUTPUT].decode("utf-8", "replace"))
+
+
+def _kill_group(proc: subprocess.Popen[bytes], grace_s: float = 3.0) -> None:
+    """SIGTERM the group (stress-ng, mpirun and srun reap and clean up their own), then SIGKILL what is left."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            proc.kill()
+        try:
+            proc.communicate(timeout=grace_s if sig is signal.SIGTERM else None)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 class ToolExited(Exception):

@@ -118,7 +118,7 @@ class Catalog:
         return sorted(self._entries)
 
 
-CATALOG_FILES = ("kernel.yaml", "nvidia.yaml", "platform.yaml")
+CATALOG_FILES = ("kernel.yaml", "nvidia.yaml", "platform.yaml", "deep.yaml")
 
 
 def load_builtin() -> dict[str, Any]:

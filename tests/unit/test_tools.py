@@ -34,3 +34,21 @@ def test_follow_tool_batches_idle_ticks_stop_and_exit():
         for _ in follow_tool(["sh", "-c", "echo bye; exit 4"], threading.Event(), poll_s=0.05):
             pass
     assert exc.value.returncode == 4 and exc.value.tail == ["bye"]
+
+
+def test_timeout_kills_the_whole_process_group(tmp_path):
+    import os
+    import time
+
+    pidfile = tmp_path / "grandchild.pid"
+    with pytest.raises(CheckUnavailable, match="timed out"):
+        run_tool(["sh", "-c", f"sleep 30 & echo $! > {pidfile}; wait"], timeout_s=0.5)
+    grandchild = int(pidfile.read_text())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    pytest.fail("the tool's child outlived the timeout")
