@@ -24,8 +24,19 @@ def sample(name: str) -> str:
     return (FIXTURES / name).read_text()
 
 
+_BEFORE: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def _existing_children():
+    """Processes this test process already had (the session's Slurm daemons) are not this test's leftovers."""
+    _BEFORE.clear()
+    _BEFORE.update(p.pid for p in psutil.Process().children(recursive=True))
+    yield
+
+
 def children() -> list[psutil.Process]:
-    return psutil.Process().children(recursive=True)
+    return [p for p in psutil.Process().children(recursive=True) if p.pid not in _BEFORE]
 
 
 # -- parsers on real captures -------------------------------------------------------------------------------------
