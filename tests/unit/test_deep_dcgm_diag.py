@@ -21,6 +21,8 @@ from nodemedic.checks.active.dcgm_diag import (
 from nodemedic.checks.nvidia.dcgm import parse_discovery
 from nodemedic.model import Action, Severity
 
+from fakes.replay import replay
+
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "dcgm_diag"
 DISCOVERY = Path(__file__).parent.parent / "fixtures" / "dcgm" / "discovery_h800x8.txt"
 FAKE = str(Path(__file__).parent.parent / "fakes" / "bin" / "dcgmi-diag")
@@ -38,14 +40,7 @@ def bdfs() -> dict[int, str]:
 
 @pytest.fixture
 def fake(monkeypatch, tmp_path):
-    log = tmp_path / "calls.log"
-    monkeypatch.setenv("DCGMI_DIAG_FAKE_LOG", str(log))
-
-    def use(name: str) -> None:
-        monkeypatch.setenv("DCGMI_DIAG_FAKE_OUTPUT", name)
-
-    use.calls = lambda: [json.loads(line) for line in log.read_text().splitlines()]  # type: ignore[attr-defined]
-    return use
+    return replay(monkeypatch, tmp_path, "DCGMI_DIAG_FAKE")
 
 
 # -- DCGM 4 JSON --------------------------------------------------------------------------------------------------

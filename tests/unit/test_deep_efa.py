@@ -8,12 +8,13 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from nodemedic.checks.active.base import Status
 from nodemedic.checks.active.efa import (SLOW, free_port, judge, list_devices, parse_fi_info, parse_pingpong,
                                          parse_size, pingpong_metrics, run_pingpong)
+
+from fakes.processes import existing_children, new_children as children  # noqa: F401 (autouse fixture)
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "efa"
 HAVE_LIBFABRIC = shutil.which("fi_pingpong") is not None and shutil.which("fi_info") is not None
@@ -22,21 +23,6 @@ needs_libfabric = pytest.mark.skipif(not HAVE_LIBFABRIC, reason="libfabric tools
 
 def sample(name: str) -> str:
     return (FIXTURES / name).read_text()
-
-
-_BEFORE: set[int] = set()
-
-
-@pytest.fixture(autouse=True)
-def _existing_children():
-    """Processes this test process already had (the session's Slurm daemons) are not this test's leftovers."""
-    _BEFORE.clear()
-    _BEFORE.update(p.pid for p in psutil.Process().children(recursive=True))
-    yield
-
-
-def children() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True) if p.pid not in _BEFORE]
 
 
 # -- parsers on real captures -------------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ from nodemedic.checks.active.nccl import (
     threshold_for,
 )
 
+from fakes.replay import replay
+
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "nccl"
 FAKE = str(Path(__file__).parent.parent / "fakes" / "bin" / "all_reduce_perf")
 RECORD_KEYS = {"NcclMaxAlgoBw", "NcclAvgAlgoBw", "NcclThresholdAlgoBw", "NcclOutOfBoundError", "NcclOperations",
@@ -28,14 +30,7 @@ def run_of(name: str):
 
 @pytest.fixture
 def fake(monkeypatch, tmp_path):
-    log = tmp_path / "calls.log"
-    monkeypatch.setenv("ALL_REDUCE_PERF_FAKE_LOG", str(log))
-
-    def use(name: str) -> None:
-        monkeypatch.setenv("ALL_REDUCE_PERF_FAKE_OUTPUT", name)
-
-    use.calls = lambda: [json.loads(line) for line in log.read_text().splitlines()]  # type: ignore[attr-defined]
-    return use
+    return replay(monkeypatch, tmp_path, "ALL_REDUCE_PERF_FAKE")
 
 
 # -- parser on the real captures ----------------------------------------------------------------------------------

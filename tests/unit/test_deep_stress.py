@@ -14,6 +14,8 @@ import pytest
 from nodemedic.checks.active.base import Status
 from nodemedic.checks.active.stress import build_args, parse_stress_output, run_stress, stress_warnings
 
+from fakes.processes import existing_children, new_children as no_children  # noqa: F401 (autouse fixture)
+
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "stress_ng"
 HAVE_STRESS_NG = shutil.which("stress-ng") is not None
 needs_stress_ng = pytest.mark.skipif(not HAVE_STRESS_NG, reason="stress-ng not installed")
@@ -21,21 +23,6 @@ needs_stress_ng = pytest.mark.skipif(not HAVE_STRESS_NG, reason="stress-ng not i
 
 def sample(name: str) -> str:
     return (FIXTURES / name).read_text()
-
-
-_BEFORE: set[int] = set()
-
-
-@pytest.fixture(autouse=True)
-def _existing_children():
-    """Processes this test process already had (the session's Slurm daemons) are not this test's leftovers."""
-    _BEFORE.clear()
-    _BEFORE.update(p.pid for p in psutil.Process().children(recursive=True))
-    yield
-
-
-def no_children() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True) if p.pid not in _BEFORE]
 
 
 def fake_tool(tmp_path: Path, body: str) -> str:
