@@ -2,18 +2,55 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import select
 import shutil
 import signal
 import subprocess
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from nodemedic.checks.base import CheckUnavailable
 
 MAX_OUTPUT = 16 * 1024 * 1024  # a runaway tool cannot make the agent hold more than this
+CANCEL_POLL_S = 0.1
+
+# Set by whoever runs a cancellable piece of work (the deep-check runner); every tool started under it is stopped,
+# with its whole process group, as soon as the event is set.
+_CANCEL: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar("nodemedic_cancel", default=None)
+
+
+class ToolNotFound(CheckUnavailable):
+    """The tool is not installed here: a deep check that needs it is skipped, not failed."""
+
+
+class Cancelled(CheckUnavailable):
+    """The run was cancelled: its tools were killed before they reached a result."""
+
+
+@contextlib.contextmanager
+def cancel_scope(event: threading.Event) -> Iterator[threading.Event]:
+    """Tools run (in this thread or context) inside the block are killed once `event` is set."""
+    token = _CANCEL.set(event)
+    try:
+        yield event
+    finally:
+        _CANCEL.reset(token)
+
+
+def cancel_event() -> threading.Event | None:
+    return _CANCEL.get()
+
+
+def check_cancelled(what: str = "run") -> None:
+    """Raise Cancelled if the current scope was cancelled (for loops between tools)."""
+    event = _CANCEL.get()
+    if event is not None and event.is_set():
+        raise Cancelled(f"{what} cancelled")
 
 
 @dataclass(frozen=True)
@@ -38,24 +75,39 @@ def find_tool(name: str, search_path: str | None = None) -> str | None:
 def run_tool(args: list[str], timeout_s: float, env: dict[str, str] | None = None) -> ToolResult:
     """Run a tool to completion. A missing binary or a timeout raises CheckUnavailable; a non-zero exit does not.
 
-    The tool runs in its own process group, and a timeout kills the whole group: launchers (mpirun, srun,
-    stress-ng's workers) leave no grandchildren behind.
+    The tool runs in its own process group, and a timeout or a cancel (see cancel_scope, which raises Cancelled)
+    kills the whole group: launchers (mpirun, srun, stress-ng's workers) leave no grandchildren behind.
     """
     exe = find_tool(args[0])
     if exe is None:
-        raise CheckUnavailable(f"{args[0]} not found")
+        raise ToolNotFound(f"{args[0]} not found")
+    cancel = _CANCEL.get()
+    name = os.path.basename(exe)
+    if cancel is not None and cancel.is_set():
+        raise Cancelled(f"{name} cancelled before it started")
     try:
         proc = subprocess.Popen([exe, *args[1:]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True)
     except OSError as exc:
         raise CheckUnavailable(f"cannot run {exe}: {exc.strerror}") from exc
+    deadline = time.monotonic() + timeout_s
     try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired as exc:
-        _kill_group(proc)
-        raise CheckUnavailable(f"{os.path.basename(exe)} timed out after {timeout_s:g}s") from exc
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                # Waiting in slices keeps a cancel prompt; a retried communicate() loses no output.
+                stdout, stderr = proc.communicate(timeout=max(0.0, min(left, CANCEL_POLL_S) if cancel else left))
+                break
+            except subprocess.TimeoutExpired as exc:
+                if cancel is not None and cancel.is_set():
+                    _kill_group(proc)
+                    raise Cancelled(f"{name} cancelled") from exc
+                if time.monotonic() >= deadline:
+                    _kill_group(proc)
+                    raise CheckUnavailable(f"{name} timed out after {timeout_s:g}s") from exc
     except BaseException:
-        _kill_group(proc)
+        if proc.poll() is None:
+            _kill_group(proc)
         raise
     return ToolResult(tuple(args), proc.returncode, stdout[:MAX_OUTPUT].decode("utf-8", "replace"),
                       stderr[:MAX_OUTPUT].decode("utf-8", "replace"))

@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from nodemedic.checks.base import CheckUnavailable
+from nodemedic.checks.tools import ToolNotFound
 from nodemedic.model import Finding
 
 
@@ -34,3 +36,8 @@ class DeepCheckResult:
         return {"name": self.name, "status": str(self.status), "summary": self.summary, "metrics": self.metrics,
                 "evidence": self.evidence, "duration_s": round(self.duration_s, 3),
                 "findings": [f.to_dict() for f in self.findings]}
+
+
+def unavailable_status(exc: CheckUnavailable) -> Status:
+    """A tool that is not installed means SKIPPED; one that timed out, was cancelled or would not start, ERROR."""
+    return Status.SKIPPED if isinstance(exc, ToolNotFound) else Status.ERROR

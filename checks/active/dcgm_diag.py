@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from nodemedic.checks.active.base import DeepCheckResult, Status
+from nodemedic.checks.active.base import DeepCheckResult, Status, unavailable_status
 from nodemedic.checks.base import CheckUnavailable
 from nodemedic.checks.tools import run_tool
 from nodemedic.model import Action, Finding, Severity
@@ -371,7 +371,7 @@ def run_diag(level: int = 2, expected_nvlinks: int | None = None, binary: str = 
     try:
         out = run_tool(args, timeout)
     except CheckUnavailable as exc:
-        status = Status.ERROR if "timed out" in str(exc) else Status.SKIPPED
+        status = unavailable_status(exc)
         return DeepCheckResult(CHECK, status, str(exc), evidence=evidence, duration_s=time.monotonic() - started)
     evidence.update(returncode=out.returncode, output_tail="\n".join(out.output.splitlines()[-40:]))
     try:

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from nodemedic.checks.active.base import DeepCheckResult, Status
+from nodemedic.checks.active.base import DeepCheckResult, Status, unavailable_status
 from nodemedic.checks.base import CheckUnavailable
 from nodemedic.checks.platform.profiles import normalize_instance_type
 from nodemedic.checks.tools import run_tool
@@ -270,7 +270,7 @@ def run_allreduce(binary: str = "all_reduce_perf", gpus: int = 8, min_bytes: str
         out = run_tool(args, timeout_s)
     except CheckUnavailable as exc:
         # A missing binary means the test is not installed; a timeout means it ran and never finished.
-        status = Status.ERROR if "timed out" in str(exc) else Status.SKIPPED
+        status = unavailable_status(exc)
         return DeepCheckResult(CHECK, status, str(exc), evidence={"command": args},
                                duration_s=time.monotonic() - started)
     run = parse_allreduce(out.output)
