@@ -82,6 +82,74 @@ class ChecksConfig(_Section):
     maintenance: MaintenanceConfig = MaintenanceConfig()
 
 
+class DeepTestConfig(_Section):
+    enabled: bool = True
+    timeout_s: float | None = Field(default=None, gt=0, description="per-test limit; default depends on the test "
+                                                                    "and level")
+
+
+class DcgmDiagConfig(DeepTestConfig):
+    binary: str = "dcgmi"
+    host: str | None = None
+    expected_nvlinks: int | None = Field(default=None, ge=0, description="NVLinks up per GPU; default: the "
+                                                                         "instance profile")
+
+
+class NcclDeepConfig(DeepTestConfig):
+    binary: str = Field(default="all_reduce_perf", description="nccl-tests binary; absent -> torch fallback")
+    min_bytes: str = "1G"
+    max_bytes: str = "16G"
+    gpus: int | None = Field(default=None, ge=1, description="GPUs (ranks); default: the profile, or NVML")
+    threshold_gbs: float | None = Field(default=None, gt=0, description="bus bandwidth threshold; default: the "
+                                                                         "per-instance-type table")
+    torch_fallback: bool = True
+    torch_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    torch_min_bytes: str = "1M"
+    torch_max_bytes: str = "64M"
+    cpu_ranks: int = Field(default=2, ge=2, description="gloo ranks on a node without GPUs")
+
+
+class EfaDeepConfig(DeepTestConfig):
+    provider: str = Field(default="efa", description="libfabric provider (`tcp` exercises the path without EFA)")
+    iterations: int = Field(default=100, ge=1)
+    max_latency_us: float | None = Field(default=None, gt=0)
+    min_bandwidth_mbps: float | None = Field(default=None, gt=0)
+    expected_devices: int | None = Field(default=None, ge=0, description="default: the instance profile")
+    max_devices: int = Field(default=4, ge=1, description="ping-pong at most this many devices per run")
+
+
+class StressDeepConfig(DeepTestConfig):
+    kinds: list[Literal["cpu", "memory", "disk"]] = ["cpu", "memory", "disk"]
+    duration_s: float = Field(default=60, gt=0, description="per kind at level 2")
+    full_duration_s: float = Field(default=600, gt=0, description="per kind at level 4")
+    memory_fraction: float = Field(default=0.25, gt=0, le=0.9, description="share of available memory")
+    scratch_dir: str = Field(default="/var/tmp", description="where the disk test writes")
+    binary: str = "stress-ng"
+
+
+class NeuronDeepConfig(DeepTestConfig):
+    pass
+
+
+class DeepChecksConfig(_Section):
+    enabled: bool = True
+    level: Literal[2, 4] = 2
+    log_path: Path = Field(default=Path("/var/log/nodemedic/deep-health-check.log"),
+                           description="node-local JSON-lines log; falls back to <state_dir> if not writable")
+    log_max_bytes: int = Field(default=10 * 1024 * 1024, ge=4096)
+    log_backups: int = Field(default=5, ge=1)
+    on_start: bool = Field(default=False, description="run once when the agent starts (a node joining)")
+    interval_s: float | None = Field(default=None, gt=0, description="run every interval_s; off by default")
+    hold_node: bool = Field(default=True, description="hold the node out of scheduling while tests run")
+    hold_timeout_s: float = Field(default=60, gt=0, description="abort if the hold is not applied by then")
+    gpu_count: DeepTestConfig = DeepTestConfig()
+    dcgm: DcgmDiagConfig = DcgmDiagConfig()
+    nccl: NcclDeepConfig = NcclDeepConfig()
+    efa: EfaDeepConfig = EfaDeepConfig()
+    stress: StressDeepConfig = StressDeepConfig()
+    neuron: NeuronDeepConfig = NeuronDeepConfig()
+
+
 class MetricsConfig(_Section):
     enabled: bool = True
     host: str = "0.0.0.0"
@@ -118,6 +186,7 @@ class Config(_Section):
     actions: ActionsConfig = ActionsConfig()
     imds: ImdsConfig = ImdsConfig()
     recovery: RecoveryConfig = RecoveryConfig()
+    deep_checks: DeepChecksConfig = DeepChecksConfig()
 
     def policy_config(self) -> PolicyConfig:
         """The policy's settings with each check's enforce/observe mode folded in."""

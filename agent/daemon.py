@@ -20,12 +20,15 @@ from nodemedic.catalog import load_catalog
 from nodemedic.checks.base import Check, Poller, Watcher
 from nodemedic.config import Config
 from nodemedic.checks.platform.imds import Imds, resolve_instance_type
-from nodemedic.model import Action, Finding, Health, Severity
-from nodemedic.policy import Decision, Policy, PolicyState
+from nodemedic.model import CHECK_FAILED, DEEP_ERROR, DEEP_PASSED, Action, Finding, Health, Severity
+from nodemedic.policy import DeepCheckRun, Decision, Policy, PolicyState
+from nodemedic.checks.active.base import DeepCheckResult
+from nodemedic.diag import BACKSTOP_S, GRACE_S, DiagRun, build_plan, new_run_id, result_command, run_plan, select
 from nodemedic.recovery_server import RecoveryServer, RecoveryServerError, signal_ranks
 from nodemedic.registry import applicable, build_checks, node_context
 from nodemedic.runner import CheckRunner
 from nodemedic.state import AgentLock, StateStore
+from nodemedic.telemetry.deep_log import COMPLETED, DeepCheckLog
 from nodemedic.telemetry.logs import DetectionLog
 from nodemedic.telemetry.metrics import Metrics
 
@@ -35,6 +38,7 @@ INBOX = "inbox"
 SAVE_EVERY_S = 10.0        # repeats only bump counters: persist them lazily
 QUEUE_LIMIT = 10_000       # findings waiting for the policy; a full queue slows the watchers, never drops
 READY_TIMEOUT_S = 5.0      # how long start() waits for watchers to be positioned before saying ready
+DEEP_LOG_NAME = "deep-health-check.log"  # under the state dir when the configured log path is not writable
 
 
 def read_boot_id(path: str = "/proc/sys/kernel/random/boot_id") -> str | None:
@@ -69,7 +73,8 @@ class Agent:
         self.boot_id = boot_id if boot_id is not None else read_boot_id()
         self.state = PolicyState()
         self.metrics_port: int | None = None
-        self._queue: queue.Queue[Finding] = queue.Queue(QUEUE_LIMIT)
+        # Findings and commands (operator inbox, deep-check runs) share one queue, so they apply in order.
+        self._queue: queue.Queue[Finding | dict[str, Any]] = queue.Queue(QUEUE_LIMIT)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._dirty = False
@@ -77,25 +82,16 @@ class Agent:
         self._last_save = 0.0
         self.recovery = (RecoveryServer.from_config(config.recovery, on_report=self.submit)
                          if config.recovery.enabled else None)
+        self.deep_log: DeepCheckLog | None = None
+        self.deep_run: DiagRun | None = None      # the run in progress, for status and tests
+        self.deep_runs = 0
+        self._deep_requests: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._deep_cancel = threading.Event()
+        self._deep_thread: threading.Thread | None = None
 
     def _default_backends(self) -> list[ActionBackend]:
-        actions = self.config.actions
-        kube = actions.kubernetes
-        backend = actions.backend
-        if backend == "auto":
-            backend = detect_backend(actions)
-        if backend == "kubernetes":
-            from nodemedic.actions.kubernetes import KubernetesBackend
-            return [KubernetesBackend(self.config.node_name, kube, profile=self.config.profile,
-                                      dry_run=actions.dry_run, on_intent=self._operator_request,
-                                      on_refused=lambda why: self.metrics.quarantine_refused.inc())]
-        if backend == "slurm":
-            from nodemedic.actions.slurm import SlurmBackend
-            return [SlurmBackend(actions.slurm, self.config.state_dir, profile=self.config.profile,
-                                 dry_run=actions.dry_run)]
-        # With no cluster around the agent runs embedded: it records and prints what it would apply.
-        return [LocalBackend(self.config.node_name, Path(self.config.state_dir) / "local-actions.jsonl",
-                             dry_run=actions.dry_run)]
+        return make_backends(self.config, on_intent=self._operator_request,
+                             on_refused=lambda why: self.metrics.quarantine_refused.inc())
 
     def _operator_request(self, health: Health) -> None:
         """A person asked for a reboot or replacement on the platform: a finding like any other, decided by policy."""
@@ -115,6 +111,12 @@ class Agent:
         if self.boot_id:
             for d in self.policy.on_boot(self.state, self.boot_id, now):
                 self._record(d)
+        run = self.state.deep_run
+        if run is not None and run.trigger != "cli":
+            # This agent's own run died with it: no verdict, and the node must not stay held for it.
+            log.warning("deep-check run %s was interrupted by an agent restart: ending it as %s", run.run_id,
+                        DEEP_ERROR)
+            self.policy.deep_check_end(self.state, run.run_id, DEEP_ERROR, now)
         self._save()
         log.info("nodemedic %s starting on node %s (instance type %s); state %s; resumed %s with %d active "
                  "fault(s); checks: %s; actions: %s", __version__, self.config.node_name,
@@ -147,11 +149,21 @@ class Agent:
             t = threading.Thread(target=self._schedule, args=(pollers,), name="pollers", daemon=True)
             t.start()
             self._threads.append(t)
+        if self.config.deep_checks.enabled:
+            dc = self.config.deep_checks
+            self.deep_log = DeepCheckLog(dc.log_path, self.config.node_name, self.instance_type, dc.log_max_bytes,
+                                         dc.log_backups, fallback=Path(self.config.state_dir) / DEEP_LOG_NAME)
+            self._deep_thread = threading.Thread(target=self._deep_loop, name="deep-checks", daemon=True)
+            self._deep_thread.start()
         # Readiness means every watcher is positioned on its source: anything logged from now on is seen.
         log.info("nodemedic ready" + (f" (not yet watching: {', '.join(waiting)})" if waiting else ""))
 
     def stop(self) -> None:
         self._stop.set()
+        self._deep_cancel.set()
+        if self._deep_thread is not None:
+            # A cancelled run kills its tools and queues its end before the queue is drained below.
+            self._deep_thread.join(timeout=GRACE_S + 10)
         for t in self._threads:
             t.join(timeout=5)
         if self.recovery is not None:
@@ -161,6 +173,8 @@ class Agent:
             self._save()
         self.dispatcher.stop()
         self.metrics.close()
+        if self.deep_log is not None:
+            self.deep_log.close()
         self.lock.release()
 
     def run_forever(self) -> None:
@@ -194,7 +208,7 @@ class Agent:
             except queue.Empty:
                 finding = None
             if finding is not None:
-                self.handle(finding)
+                self._take(finding)
                 self._drain()
             if self._decided:
                 # Decisions are logged as they are made; the state file is written once per burst of them.
@@ -203,16 +217,51 @@ class Agent:
             if mono >= next_tick:
                 next_tick = mono + 1.0
                 self._process_inbox()
+                if self.policy.deep_check_expire(self.state, self.clock()):
+                    log.error("a deep-check run outlived its lease: its hold on the node is lifted")
+                    self._publish_verdict()
+                    self._save()
                 if self._dirty and mono - self._last_save >= SAVE_EVERY_S:
                     self._save()
 
     def _drain(self) -> None:
         while True:
             try:
-                finding = self._queue.get_nowait()
+                item = self._queue.get_nowait()
             except queue.Empty:
                 return
-            self.handle(finding)
+            self._take(item)
+
+    def _take(self, item: Finding | dict[str, Any]) -> None:
+        if isinstance(item, Finding):
+            self.handle(item)
+        else:
+            self.apply(item)
+
+    def command(self, cmd: dict[str, Any], done: threading.Event | None = None) -> None:
+        """Queue a command for the loop thread (which alone touches the policy state); `done` is set once applied."""
+        if done is not None:
+            cmd = {**cmd, "_done": done}
+        self._queue.put(cmd)  # blocking even while stopping: a run's end must reach the state before it is saved
+
+    def apply(self, cmd: dict[str, Any]) -> None:
+        """Apply one command on the loop thread: its findings are handled like any other, then the verdict moves."""
+        done = cmd.pop("_done", None)
+        try:
+            if cmd.get("command") == "diag":
+                self.request_deep_check(cmd.get("level"), cmd.get("only"), str(cmd.get("trigger") or "request"))
+                return
+            decisions = apply_command(self.policy, self.state, cmd, self.clock(), observe=self.handle)
+        except (KeyError, ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
+            log.error("ignoring malformed command %s: %s", cmd.get("command"), exc)
+            return
+        finally:
+            if done is not None:
+                done.set()
+        for d in decisions:
+            self._record(d)
+        self._publish_verdict()
+        self._dirty = self._decided = True
 
     def handle(self, finding: Finding) -> Decision | None:
         self.metrics.finding(finding)
@@ -263,6 +312,69 @@ class Agent:
                     due[p.name] = time.monotonic() + p.interval_s
             self._stop.wait(max(0.05, min(due.values()) - time.monotonic()))
 
+    # -- deep checks -------------------------------------------------------------------------------------------------
+    def request_deep_check(self, level: int | None = None, only: list[str] | None = None,
+                           trigger: str = "request") -> None:
+        """Ask for a deep-check run; runs one at a time, in the order asked."""
+        self._deep_requests.put({"level": level or self.config.deep_checks.level, "only": only, "trigger": trigger})
+
+    def _deep_loop(self) -> None:
+        dc = self.config.deep_checks
+        next_due = time.monotonic() + dc.interval_s if dc.interval_s else None
+        if dc.on_start:
+            self.request_deep_check(trigger="on_start")
+        while not self._stop.is_set():
+            wait = 1.0 if next_due is None else max(0.0, min(1.0, next_due - time.monotonic()))
+            try:
+                req = self._deep_requests.get(timeout=wait)
+            except queue.Empty:
+                if next_due is None or time.monotonic() < next_due:
+                    continue
+                req = {"level": dc.level, "only": None, "trigger": "schedule"}
+            try:
+                self.run_deep_checks(int(req["level"]), req.get("only"), str(req["trigger"]))
+            except Exception:  # a broken run must not end scheduled runs
+                log.exception("deep-check run failed")
+            if dc.interval_s:
+                next_due = time.monotonic() + dc.interval_s
+
+    def run_deep_checks(self, level: int, only: list[str] | None = None, trigger: str = "request") -> DiagRun:
+        """One run: hold the node, run the tests, feed the policy as each ends, publish the outcome, release."""
+        dc = self.config.deep_checks
+        run = DiagRun(new_run_id(), level, trigger, self.clock())
+        try:
+            tests = select(build_plan(self.config, self.ctx, level), only)
+        except ValueError as exc:
+            run.note = str(exc)
+            tests = []
+        self.deep_run = run
+        self.deep_runs += 1
+        lease = dc.hold_timeout_s + sum(t.timeout_s + BACKSTOP_S + GRACE_S for t in tests)
+        begun = threading.Event()
+        self.command({"command": "deep_check_begin", "run": {
+            "run_id": run.run_id, "started": run.started, "expires": run.started + lease, "hold": dc.hold_node,
+            "level": level, "trigger": trigger}}, done=begun)
+        begun.wait(10)
+        if not run.note and dc.hold_node and not self.dispatcher.wait_idle(dc.hold_timeout_s):
+            run.note = f"the node could not be held out of scheduling within {dc.hold_timeout_s:g}s: tests not run"
+            log.error("deep-check run %s: %s", run.run_id, run.note)
+        if not run.note:
+            run_plan(tests, run, self._deep_cancel, self.deep_log, on_result=self._deep_result, clock=self.clock)
+        else:
+            run.finished = self.clock()
+            if self.deep_log is not None:
+                self.deep_log.write(COMPLETED, run.summary(), run.finished)
+        self.metrics.deep_run(run)
+        self.command({"command": "deep_check_end", "run_id": run.run_id, "status": run.status})
+        log.log(logging.INFO if run.status == DEEP_PASSED else logging.WARNING,
+                "deep-check run %s (%s, level %d): %s", run.run_id, trigger, level, run.status)
+        self.deep_run = None
+        return run
+
+    def _deep_result(self, result: DeepCheckResult) -> None:
+        self.metrics.deep_result(result)
+        self.command(result_command(result))
+
     # -- operator commands ---------------------------------------------------------------------------------------
     def _process_inbox(self) -> None:
         inbox = Path(self.config.state_dir) / INBOX
@@ -273,17 +385,35 @@ class Agent:
         for path in entries:
             try:
                 cmd = json.loads(path.read_text())
-                decisions = apply_command(self.policy, self.state, cmd, self.clock())
-            except (OSError, ValueError, TypeError) as exc:
+                if not isinstance(cmd, dict):
+                    raise ValueError("not a JSON object")
+            except (OSError, ValueError) as exc:
                 log.error("ignoring unreadable operator command %s: %s", path.name, exc)
-                decisions = []
-            for d in decisions:
-                self._record(d)
+            else:
+                self.apply(cmd)
             self._save()
             try:
                 path.unlink()
             except OSError:
                 pass
+
+
+def make_backends(config: Config, on_intent: Callable[[Health], None] | None = None,
+                  on_refused: Callable[[str], None] | None = None) -> list[ActionBackend]:
+    """The backend the config names (or detects), as the agent and one-shot commands use it."""
+    actions = config.actions
+    backend = actions.backend
+    if backend == "auto":
+        backend = detect_backend(actions)
+    if backend == "kubernetes":
+        from nodemedic.actions.kubernetes import KubernetesBackend
+        return [KubernetesBackend(config.node_name, actions.kubernetes, profile=config.profile,
+                                  dry_run=actions.dry_run, on_intent=on_intent, on_refused=on_refused)]
+    if backend == "slurm":
+        from nodemedic.actions.slurm import SlurmBackend
+        return [SlurmBackend(actions.slurm, config.state_dir, profile=config.profile, dry_run=actions.dry_run)]
+    # With no cluster around the agent runs embedded: it records and prints what it would apply.
+    return [LocalBackend(config.node_name, Path(config.state_dir) / "local-actions.jsonl", dry_run=actions.dry_run)]
 
 
 def detect_backend(actions: Any) -> str:
@@ -297,11 +427,46 @@ def detect_backend(actions: Any) -> str:
     return "local"
 
 
-def apply_command(policy: Policy, state: PolicyState, cmd: dict, now: float) -> list[Decision]:
-    """An operator's command, from the CLI directly or through the running agent's inbox."""
-    if cmd.get("command") != "clear":
+def apply_command(policy: Policy, state: PolicyState, cmd: dict, now: float,
+                  observe: Callable[[Finding], Decision | None] | None = None) -> list[Decision]:
+    """A command from the CLI (directly or through the running agent's inbox) or from the agent's deep-check runs.
+
+    Findings a command carries go to `observe` when given (the agent records those itself); otherwise to the
+    policy, and their decisions are returned with the rest.
+    """
+    kind = cmd.get("command")
+    decisions: list[Decision] = []
+
+    def see(finding: Finding) -> None:
+        if observe is not None:
+            observe(finding)
+        elif (d := policy.observe(state, finding, now)) is not None:
+            decisions.append(d)
+
+    if kind == "clear":
+        return policy.operator_clear(state, now, code=cmd.get("code"), component=cmd.get("component"))
+    if kind == "deep_check_begin":
+        policy.deep_check_begin(state, DeepCheckRun.model_validate(cmd["run"]), now)
+    elif kind == "deep_check_result":
+        for data in cmd.get("findings") or []:
+            see(Finding.from_dict(data))
+        if cmd.get("passed"):
+            for finding in passed_clears(state, str(cmd["passed"]), now):
+                see(finding)
+    elif kind == "deep_check_end":
+        if not policy.deep_check_end(state, str(cmd["run_id"]), str(cmd["status"]), now):
+            log.warning("deep-check run %s ended (%s) but is not the run holding the node", cmd["run_id"],
+                        cmd["status"])
+    else:
         raise ValueError(f"unknown command {cmd.get('command')!r}")
-    return policy.operator_clear(state, now, code=cmd.get("code"), component=cmd.get("component"))
+    return decisions
+
+
+def passed_clears(state: PolicyState, check: str, now: float) -> list[Finding]:
+    """A deep test that passes is the explicit all-clear for the faults it raised earlier."""
+    return [Finding(check, f.component, f.code, f"deep check {check} passed", Severity.INFO, observed_at=now,
+                    healthy=True)
+            for f in state.active.values() if f.check == check and f.code != CHECK_FAILED]
 
 
 def write_command(state_dir: str | os.PathLike[str], cmd: dict) -> Path:

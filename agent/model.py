@@ -114,6 +114,17 @@ class Finding:
             "repeats": self.repeats,
         }
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Finding:
+        """The inverse of to_dict (findings handed to the running agent through its inbox)."""
+        action = data.get("recommended_action")
+        return cls(check=str(data["check"]), component=str(data["component"]), code=str(data["code"]),
+                   message=str(data.get("message", "")), severity=Severity.parse(data.get("severity", "warning")),
+                   evidence=dict(data.get("evidence") or {}), observed_at=float(data.get("observed_at", time.time())),
+                   healthy=bool(data.get("healthy", False)),
+                   recommended_action=Action.parse(action) if action is not None else None,
+                   repeats=int(data.get("repeats", 1)))
+
 
 CHECK_FAILED = "CHECK_FAILED"
 
@@ -141,6 +152,10 @@ def check_recovered(check: str, *, observed_at: float | None = None) -> Finding:
         observed_at=time.time() if observed_at is None else observed_at,
         healthy=True,
     )
+
+
+# Deep-check statuses as published (Kubernetes label value, Slurm reason, `status`); Error: no verdict reached.
+DEEP_IN_PROGRESS, DEEP_PASSED, DEEP_FAILED, DEEP_ERROR = "InProgress", "Passed", "Failed", "Error"
 
 
 class FaultDetail(BaseModel):

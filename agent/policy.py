@@ -13,7 +13,7 @@ from typing import Any, Iterable
 from pydantic import BaseModel, ConfigDict, Field
 
 from nodemedic.catalog import Catalog, CatalogEntry
-from nodemedic.model import Action, FaultDetail, Finding, Health, NodeVerdict
+from nodemedic.model import DEEP_ERROR, DEEP_IN_PROGRESS, Action, FaultDetail, Finding, Health, NodeVerdict
 
 VERDICT_FAULTS = 20
 HISTORY_LIMIT = 200
@@ -77,6 +77,19 @@ class Incident(BaseModel):
     ended_by: str | None = None  # "healthy", "operator", "reboot"
 
 
+class DeepCheckRun(BaseModel):
+    """A deep-check run in progress: the node is held while it lasts, and no longer than its lease."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    run_id: str
+    started: float
+    expires: float          # a runner that died mid-run must not hold the node forever
+    hold: bool = True
+    level: int = 2
+    trigger: str = ""
+
+
 class PolicyState(BaseModel):
     """Everything the policy remembers; persisted whole by the state store."""
 
@@ -91,6 +104,7 @@ class PolicyState(BaseModel):
     boot_id: str | None = None
     verdict: NodeVerdict = NodeVerdict()
     suppressed: int = 0                         # repeats folded into an active fault
+    deep_run: DeepCheckRun | None = None        # the deep-check run now holding the node
 
 
 @dataclass(slots=True)
@@ -254,6 +268,25 @@ class Policy:
             state.sightings.pop(k, None)
         return self._clear(state, keys, now, Outcome.CLEARED, "operator", "cleared by operator")
 
+    def deep_check_begin(self, state: PolicyState, run: DeepCheckRun, now: float) -> None:
+        """Publish `InProgress` and (with `run.hold`) hold the node out of scheduling until the run ends."""
+        state.deep_run = run
+        self._refresh(state, now, deep_check=DEEP_IN_PROGRESS)
+
+    def deep_check_end(self, state: PolicyState, run_id: str, status: str, now: float) -> bool:
+        """Publish the run's outcome and lift its hold; False when `run_id` is not the run in progress."""
+        if state.deep_run is None or state.deep_run.run_id != run_id:
+            return False
+        state.deep_run = None
+        self._refresh(state, now, deep_check=status)
+        return True
+
+    def deep_check_expire(self, state: PolicyState, now: float) -> bool:
+        """A run whose lease ran out (its runner died) ends as `Error`, so the hold is lifted."""
+        if state.deep_run is None or now < state.deep_run.expires:
+            return False
+        return self.deep_check_end(state, state.deep_run.run_id, DEEP_ERROR, now)
+
     # -- internals -----------------------------------------------------------------------------------------------
     def _dedup(self, entry: CatalogEntry) -> float:
         return entry.dedup_window_s if entry.dedup_window_s is not None else self.config.dedup_window_s
@@ -344,24 +377,28 @@ class Policy:
                            message=fault.message, action=str(fault.action), check=fault.check, count=fault.count,
                            enforced=fault.enforced)
 
-    def _refresh(self, state: PolicyState, now: float) -> None:
+    def _refresh(self, state: PolicyState, now: float, deep_check: str | None = None) -> None:
         enforced = [f for f in state.active.values() if f.enforced]
         action = max((f.action for f in enforced), default=Action.NONE)
         newest = sorted(enforced, key=lambda f: f.last_seen, reverse=True)
         # Types and reasons explain why the node is out of service; watch-level faults only show in the details.
         serious = [f for f in newest if f.action >= Action.RESET_GPU]
         v = state.verdict
+        health = Health.for_action(action)
+        if health is Health.SCHEDULABLE and state.deep_run is not None and state.deep_run.hold:
+            health = Health.UNSCHEDULABLE  # held for the deep checks, not for a fault
         new = NodeVerdict(
-            health=Health.for_action(action),
+            health=health,
             action=str(action),
             fault_types=sorted({f.type for f in serious}),
             fault_reasons=sorted({f.code for f in serious}),
             faults=[self._detail(f, f.last_seen) for f in newest[:VERDICT_FAULTS]],
-            deep_check=v.deep_check,
+            deep_check=deep_check or v.deep_check,
             generation=v.generation,
             updated_at=now,
         )
-        if (new.health, new.fault_reasons, new.fault_types) != (v.health, v.fault_reasons, v.fault_types):
+        if (new.health, new.fault_reasons, new.fault_types, new.deep_check) != \
+                (v.health, v.fault_reasons, v.fault_types, v.deep_check):
             new.generation = v.generation + 1
         state.verdict = new
 

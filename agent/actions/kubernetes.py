@@ -23,7 +23,7 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from nodemedic.actions import ActionBackend, RetryLater
-from nodemedic.model import Health, NodeVerdict
+from nodemedic.model import DEEP_IN_PROGRESS, Health, NodeVerdict
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,13 @@ class Desired:
     annotations: dict[str, str]
     taint: bool
     cordon: bool
+
+
+def held_for_deep_checks(verdict: NodeVerdict) -> bool:
+    """Out of scheduling only while deep checks run: a bounded, requested hold, not a quarantine decision, so the
+    circuit breaker (there to stop a false alarm taking out the fleet) does not count it."""
+    return verdict.deep_check == DEEP_IN_PROGRESS and not verdict.fault_reasons and \
+        verdict.health is Health.UNSCHEDULABLE
 
 
 class KubernetesBackend(ActionBackend):
@@ -273,7 +280,7 @@ class KubernetesBackend(ActionBackend):
     def _gate(self, verdict: NodeVerdict, node: dict[str, Any], current: str | None) -> Health:
         health = verdict.health
         already_out = current in {h.value for h in UNHEALTHY}
-        if health in UNHEALTHY and not already_out:
+        if health in UNHEALTHY and not already_out and not held_for_deep_checks(verdict):
             self._circuit_breaker()
         if health in HANDED_ON and current != health.value and self.config.drain.mode != "immediate":
             busy = self._accelerator_pods()

@@ -21,10 +21,10 @@ class LocalBackend(ActionBackend):
         self.node = node
         self.record_path = Path(record_path) if record_path else None
         self.dry_run = dry_run
-        self._last: tuple[str, tuple[str, ...]] | None = None
+        self._last: tuple[str, tuple[str, ...], str | None] | None = None
 
     def apply(self, verdict: NodeVerdict) -> None:
-        key = (verdict.health.value, tuple(verdict.fault_reasons))
+        key = (verdict.health.value, tuple(verdict.fault_reasons), verdict.deep_check)
         if key == self._last:
             return
         record = {
@@ -34,6 +34,7 @@ class LocalBackend(ActionBackend):
             "action": verdict.action,
             "fault_types": verdict.fault_types,
             "fault_reasons": verdict.fault_reasons,
+            "deep_check": verdict.deep_check,
             "generation": verdict.generation,
             "dry_run": self.dry_run,
         }
@@ -41,6 +42,8 @@ class LocalBackend(ActionBackend):
             self.record_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.record_path, "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(record) + "\n")
-        log.warning("local: node %s is now %s (would apply: %s; faults: %s)%s", self.node, verdict.health.value,
-                    verdict.action, ", ".join(verdict.fault_reasons) or "none", " [dry run]" if self.dry_run else "")
+        log.warning("local: node %s is now %s (would apply: %s; faults: %s%s)%s", self.node, verdict.health.value,
+                    verdict.action, ", ".join(verdict.fault_reasons) or "none",
+                    f"; deep check {verdict.deep_check}" if verdict.deep_check else "",
+                    " [dry run]" if self.dry_run else "")
         self._last = key

@@ -18,7 +18,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from nodemedic.actions import ActionBackend
-from nodemedic.model import Health, NodeVerdict
+from nodemedic.model import DEEP_IN_PROGRESS, Health, NodeVerdict
 from nodemedic.slurmctl import NodeInfo, Slurm
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,9 @@ class SlurmConfig(BaseModel):
 def summary_reason(verdict: NodeVerdict, prefix: str, limit: int) -> str:
     """`nodemedic: Xid 79 gpu 0000:3b:00.0 (reboot)`, stripped of anything that could break scontrol's parsing."""
     serious = [f for f in verdict.faults if f.code in verdict.fault_reasons] or verdict.faults
+    if not verdict.fault_reasons and verdict.deep_check == DEEP_IN_PROGRESS:
+        # Held for the deep checks alone: say so, so nobody mistakes the drain for a fault.
+        return _REASON_BAD.sub("-", f"{prefix} deep health check {DEEP_IN_PROGRESS}")[:limit].rstrip()
     if serious:
         f = serious[0]
         code = f.code.replace("XID_", "Xid ").replace("SXID_", "SXid ")

@@ -36,6 +36,14 @@ class Metrics:
                                      ["backend"], registry=r)
         self.quarantine_refused = Counter("nodemedic_quarantine_refused", "Quarantines the cluster-wide circuit "
                                           "breaker held back (retried later)", registry=r)
+        self.deep_results = Counter("nodemedic_deep_check_results", "Deep-check test outcomes",
+                                    ["check", "status"], registry=r)
+        self.deep_duration = Gauge("nodemedic_deep_check_duration_seconds", "Duration of the last run of each "
+                                   "deep-check test", ["check"], registry=r)
+        self.deep_runs = Counter("nodemedic_deep_check_runs", "Deep-check runs by published status", ["status"],
+                                 registry=r)
+        self.deep_last_run = Gauge("nodemedic_deep_check_last_run_timestamp_seconds", "When the last deep-check "
+                                   "run ended", registry=r)
         self.info = Gauge("nodemedic_info", "Agent build and node", ["version", "node", "instance_type"],
                           registry=r)
         self.info.labels(__version__, node, instance_type or "unknown").set(1)
@@ -56,6 +64,14 @@ class Metrics:
             else:
                 self.check_failures.labels(f.check).inc()
                 self.check_up.labels(f.check).set(0)
+
+    def deep_result(self, result: Any) -> None:
+        self.deep_results.labels(result.name, str(result.status)).inc()
+        self.deep_duration.labels(result.name).set(result.duration_s)
+
+    def deep_run(self, run: Any) -> None:
+        self.deep_runs.labels(run.status).inc()
+        self.deep_last_run.set(run.finished)
 
     def decision(self, d: Decision) -> None:
         self.decisions.labels(str(d.outcome), d.code, str(d.action)).inc()
