@@ -137,6 +137,11 @@ def cmd_status(args: argparse.Namespace) -> int:
           f"{_ago(v.updated_at)}")
     if v.fault_reasons:
         print(f"fault types: {', '.join(v.fault_types)}; reasons: {', '.join(v.fault_reasons)}")
+    if state.deep_run is not None:
+        print(f"deep checks: {v.deep_check} (run {state.deep_run.run_id}, level {state.deep_run.level}, "
+              f"{state.deep_run.trigger}, started {_ago(state.deep_run.started)})")
+    elif v.deep_check:
+        print(f"last deep-check run: {v.deep_check}")
     if state.active:
         print()
         _table(["COMPONENT", "CODE", "ACTION", "SOURCES", "COUNT", "FIRST SEEN", "LAST SEEN", "MESSAGE"],
@@ -149,6 +154,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         _table(["TIME", "COMPONENT", "CODE", "ACTION", "MESSAGE"],
                [[_ts(h.time), h.component, h.code, h.action, h.message[:60]] for h in reversed(recent)])
     return code
+
+
+# -- diag -----------------------------------------------------------------------------------------------------------
+def cmd_diag(args: argparse.Namespace) -> int:
+    from nodemedic.diag_cli import cmd_diag as run
+
+    return run(args, _config(args))
 
 
 # -- replay ---------------------------------------------------------------------------------------------------------
@@ -365,6 +377,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true")
     sp.add_argument("--history", type=int, default=10, help="how many recent faults to show")
     sp.set_defaults(func=cmd_status)
+
+    sp = sub.add_parser("diag", help="run the active deep checks now (exit 0 passed, 1 failed, 2 could not run)")
+    common(sp)
+    sp.add_argument("--level", type=int, choices=[2, 4], help="2: minutes (default), 4: the full hours-long run")
+    sp.add_argument("--only", nargs="+", metavar="NAME", help="just these tests or families (stress, stress.cpu, "
+                                                               "dcgm, nccl, efa, gpu, neuron); --list shows them")
+    sp.add_argument("--list", action="store_true", help="list the tests this node would run, and their limits")
+    sp.add_argument("--no-hold", action="store_true", help="do not hold the node out of scheduling while testing")
+    sp.add_argument("--background", action="store_true", help="ask the running agent to run them instead")
+    sp.add_argument("--json", action="store_true")
+    sp.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    sp.set_defaults(func=cmd_diag)
 
     sp = sub.add_parser("replay", help="feed a recorded kernel log through detection and policy, no side effects")
     common(sp)

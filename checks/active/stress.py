@@ -232,6 +232,11 @@ def run_stress(kind: str, duration_s: float, scratch_dir: str | None = None, mem
         warnings.append(f"zero bogo ops from {', '.join(idle)}: nothing was verified (run too short?)")
     if warnings:
         evidence["warnings"] = warnings
+    if status is Status.PASSED and idle and len(idle) == len(metrics.get("stressors", {})):
+        # Every stressor did zero work: nothing was verified, which is no verdict, not a pass.
+        return DeepCheckResult(name, Status.ERROR, f"stress-ng {kind} verified nothing (zero bogo ops from "
+                               f"{', '.join(idle)}; run too short for its size?)", [], metrics, evidence,
+                               time.monotonic() - started)
     if status is Status.PASSED:
         rate = metrics.get("bogo_ops_per_s")
         summary = f"stress-ng {kind} passed" + (f", {rate:g} bogo ops/s" if rate is not None else "") \

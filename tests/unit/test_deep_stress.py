@@ -179,8 +179,8 @@ def test_garbage_from_tool_is_error(tmp_path):
     assert os.path.exists(binary)
 
 
-def test_zero_bogo_ops_of_our_own_run_is_flagged_in_evidence(tmp_path):
-    # 0.15.06 prints no metrics-check line; the runner notes the empty run itself, still not a fault.
+def test_zero_bogo_ops_of_our_own_run_is_no_verdict(tmp_path):
+    # 0.15.06 prints no metrics-check line; the runner notes the empty run itself: not a fault, and not a pass.
     table = ("stress-ng: info:  [9] dispatching hogs: 2 vm\n"
              "stress-ng: metrc: [9] stressor       bogo ops real time  usr time  sys time   bogo ops/s     bogo ops/s\n"
              "stress-ng: metrc: [9]                           (secs)    (secs)    (secs)   (real time) (usr+sys time)\n"
@@ -189,5 +189,6 @@ def test_zero_bogo_ops_of_our_own_run_is_flagged_in_evidence(tmp_path):
     (tmp_path / "out.txt").write_text(table)
     binary = fake_tool(tmp_path, f"cat '{tmp_path / 'out.txt'}' >&2\n")
     result = run_stress("memory", 1, binary=binary)
-    assert result.status is Status.PASSED and result.findings == []
+    assert result.status is Status.ERROR and result.findings == []
+    assert "verified nothing" in result.summary
     assert result.evidence["warnings"] == ["zero bogo ops from vm: nothing was verified (run too short?)"]

@@ -1,0 +1,171 @@
+"""`nodemedic diag`: run the deep checks now, in the foreground, holding the node and feeding the policy.
+
+With an agent running, the run's hold, results and end go through the agent's inbox, so the agent stays the one
+writer of the node's state and platform; without one, this command applies them to the state store and the
+platform itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from nodemedic.actions import RetryLater
+from nodemedic.catalog import load_catalog
+from nodemedic.checks.active.base import DeepCheckResult
+from nodemedic.checks.platform.imds import Imds, resolve_instance_type
+from nodemedic.config import Config
+from nodemedic.daemon import DEEP_LOG_NAME, apply_command, make_backends, write_command
+from nodemedic.diag import (BACKSTOP_S, GRACE_S, DiagRun, build_plan, new_run_id, result_command, run_plan,
+                            select)
+from nodemedic.model import DEEP_FAILED, DEEP_PASSED
+from nodemedic.policy import Policy
+from nodemedic.registry import node_context
+from nodemedic.state import AgentLock, StateStore
+from nodemedic.telemetry.deep_log import COMPLETED, DeepCheckLog
+
+log = logging.getLogger("nodemedic.diag")
+
+EXIT_PASSED, EXIT_FAILED, EXIT_ERROR = 0, 1, 2
+INBOX_WAIT_S = 30.0
+
+
+class DirectPublisher:
+    """No agent running: apply each step to the state store under its lock, and the verdict to the platform."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.store = StateStore(config.state_dir)
+        self.policy = Policy(load_catalog(config.catalog), config.policy_config())
+        self.backends = make_backends(config)
+
+    def send(self, cmd: dict[str, Any]) -> str | None:
+        """Apply one command and push the verdict; returns why the platform could not be told, or None."""
+        self.store.ensure_dir()
+        with self.store.locked():
+            state = self.store.load()
+            apply_command(self.policy, state, cmd, time.time())
+            self.store.save(state)
+        problems = []
+        for backend in self.backends:
+            try:
+                backend.apply(state.verdict)
+            except RetryLater as exc:
+                problems.append(f"{backend.name}: {exc}")
+            except Exception as exc:  # an unreachable platform: said, and the run decides what it means
+                problems.append(f"{backend.name}: {type(exc).__name__}: {exc}")
+        return "; ".join(problems) or None
+
+    def close(self) -> None:
+        for backend in self.backends:
+            backend.close()
+
+
+class InboxPublisher:
+    """An agent is running: hand each step to it, in order, through its inbox."""
+
+    def __init__(self, config: Config, wait_s: float = INBOX_WAIT_S):
+        self.config = config
+        self.wait_s = wait_s
+
+    def send(self, cmd: dict[str, Any]) -> str | None:
+        path = write_command(self.config.state_dir, cmd)
+        deadline = time.monotonic() + self.wait_s
+        while path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if path.exists():
+            return f"the running agent has not taken {cmd['command']} within {self.wait_s:g}s (queued at {path})"
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def _context(config: Config):  # type: ignore[no-untyped-def]
+    imds = Imds(config.imds.endpoint, config.imds.timeout_s) if config.imds.enabled else None
+    return node_context(config, resolve_instance_type(config.instance_type, imds))
+
+
+def cmd_diag(args: argparse.Namespace, config: Config) -> int:
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(message)s")
+    dc = config.deep_checks
+    level = args.level or dc.level
+    ctx = _context(config)
+    try:
+        tests = select(build_plan(config, ctx, level), args.only)
+    except ValueError as exc:
+        print(f"nodemedic diag: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    if args.list:
+        for t in tests:
+            print(f"{t.name:20} limit {t.timeout_s:g}s")
+        return EXIT_PASSED
+    running = AgentLock(config.state_dir).held_by_other()
+    if args.background:
+        if not running:
+            print("nodemedic diag --background needs a running agent", file=sys.stderr)
+            return EXIT_ERROR
+        problem = InboxPublisher(config).send({"command": "diag", "level": level, "only": args.only,
+                                               "trigger": "request"})
+        print(problem or "the running agent will run the deep checks; follow them in its log and "
+                         f"{dc.log_path}", file=sys.stderr if problem else sys.stdout)
+        return EXIT_ERROR if problem else EXIT_PASSED
+
+    hold = dc.hold_node and not args.no_hold
+    publisher = InboxPublisher(config) if running else DirectPublisher(config)
+    deep_log = DeepCheckLog(dc.log_path, config.node_name, ctx.instance_type, dc.log_max_bytes, dc.log_backups,
+                            fallback=Path(config.state_dir) / DEEP_LOG_NAME)
+    run = DiagRun(new_run_id(), level, "cli", time.time())
+    cancel = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: cancel.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        lease = dc.hold_timeout_s + sum(t.timeout_s + BACKSTOP_S + GRACE_S for t in tests)
+        problem = publisher.send({"command": "deep_check_begin", "run": {
+            "run_id": run.run_id, "started": run.started, "expires": run.started + lease, "hold": hold,
+            "level": level, "trigger": "cli"}})
+        if problem and hold:
+            run.note = f"the node could not be held out of scheduling: {problem}; tests not run"
+        if not run.note:
+            def on_result(result: DeepCheckResult) -> None:
+                if args.verbose or (not args.json and sys.stderr.isatty()):
+                    print(f"  {result.name:18} {str(result.status):8} {result.summary}", file=sys.stderr, flush=True)
+                if (why := publisher.send(result_command(result, run.run_id))) is not None:
+                    log.error("%s", why)
+            run_plan(tests, run, cancel, deep_log, on_result=on_result)
+        else:
+            run.finished = time.time()
+            deep_log.write(COMPLETED, run.summary(), run.finished)
+        if (why := publisher.send({"command": "deep_check_end", "run_id": run.run_id, "status": run.status})):
+            log.error("%s", why)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        publisher.close()
+        deep_log.close()
+    _report(run, config, deep_log, args.json)
+    return {DEEP_PASSED: EXIT_PASSED, DEEP_FAILED: EXIT_FAILED}.get(run.status, EXIT_ERROR)
+
+
+def _report(run: DiagRun, config: Config, deep_log: DeepCheckLog, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"node": config.node_name, **run.summary(), "log": str(deep_log.path),
+                          "results": [r.record() for r in run.results]}, indent=2, default=str))
+        return
+    print(f"deep checks on {config.node_name} (level {run.level}, run {run.run_id}): {run.status}"
+          + (f" - {run.note}" if run.note else "") + (" (cancelled)" if run.cancelled else ""))
+    width = max([len(r.name) for r in run.results] + [4])
+    for r in run.results:
+        print(f"  {r.name:{width}}  {str(r.status):8} {r.duration_s:7.1f}s  {r.summary[:160]}")
+    for r in run.results:
+        for f in r.findings:
+            print(f"    {f.component}: {f.code} {f.message[:140]}")
+    if deep_log.path is not None:
+        print(f"records: {deep_log.path}")
