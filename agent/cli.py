@@ -158,9 +158,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 # -- diag -----------------------------------------------------------------------------------------------------------
 def cmd_diag(args: argparse.Namespace) -> int:
-    from nodemedic.diag_cli import cmd_diag as run
+    from nodemedic import diag_cli
 
-    return run(args, _config(args))
+    if getattr(args, "diag_command", None) == "cluster":
+        return diag_cli.cmd_diag_cluster(args, _config(args))
+    return diag_cli.cmd_diag(args, _config(args))
 
 
 # -- replay ---------------------------------------------------------------------------------------------------------
@@ -389,6 +391,29 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true")
     sp.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     sp.set_defaults(func=cmd_diag)
+    dsub = sp.add_subparsers(dest="diag_command")
+    cp = dsub.add_parser("cluster", help="NCCL all-reduce across nodes through srun (bisects a failing group to "
+                                         "name the bad nodes), or --kubernetes: print the Job that runs it")
+    common(cp)
+    cp.add_argument("--nodes", required=True, help="Slurm hostlist, e.g. gpu[01-16]")
+    cp.add_argument("--tasks-per-node", type=int, help="ranks (GPUs) per node (default 8)")
+    cp.add_argument("--threshold", type=float, help="bus bandwidth GB/s (default: the instance type's)")
+    cp.add_argument("--binary", help="nccl-tests all_reduce_perf (MPI build); absent -> the torch worker")
+    cp.add_argument("--torch", action="store_true", help="use the built-in torch.distributed worker")
+    cp.add_argument("--min-bytes")
+    cp.add_argument("--max-bytes")
+    cp.add_argument("--gpus-per-task", type=int, default=1, help="srun --gpus-per-task (0: leave it out)")
+    cp.add_argument("--mpi", help="srun --mpi (e.g. pmix) for nccl-tests' MPI build")
+    cp.add_argument("--srun-arg", action="append", help="extra srun argument (repeatable), e.g. --partition=p5")
+    cp.add_argument("--timeout", type=float, default=900.0, help="seconds for each srun step")
+    cp.add_argument("--no-bisect", action="store_true", help="report the group's verdict only")
+    cp.add_argument("--kubernetes", action="store_true", help="print a Service + Indexed Job manifest instead")
+    cp.add_argument("--image", help="container image for --kubernetes")
+    cp.add_argument("--namespace", default="default")
+    cp.add_argument("--efa-per-node", type=int, help="vpc.amazonaws.com/efa to request per pod")
+    cp.add_argument("--json", action="store_true")
+    cp.add_argument("-v", "--verbose", action="store_true")
+    cp.set_defaults(func=cmd_diag)
 
     sp = sub.add_parser("replay", help="feed a recorded kernel log through detection and policy, no side effects")
     common(sp)

@@ -128,7 +128,11 @@ class StressDeepConfig(DeepTestConfig):
 
 
 class NeuronDeepConfig(DeepTestConfig):
-    pass
+    neuron_ls: str = "neuron-ls"
+    nccom_test: str = "nccom-test"
+    hw_check: bool = Field(default=True, description="per-device nccom-test --check over each device's cores")
+    nccom_max_bytes: str = "1GB"
+    nccom_threshold_gbs: float | None = Field(default=None, gt=0, description="nccom-test bus bandwidth floor")
 
 
 class DeepChecksConfig(_Section):

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from nodemedic.checks.active import counts, dcgm_diag, efa, nccl, stress
+from nodemedic.checks.active import counts, dcgm_diag, efa, nccl, neuron, stress
 from nodemedic.checks.active.base import DeepCheckResult, Status, unavailable_status
 from nodemedic.checks.base import CheckUnavailable, NodeContext
 from nodemedic.checks.tools import Cancelled, cancel_scope, find_tool
@@ -181,6 +181,21 @@ def build_plan(config: Config, ctx: NodeContext, level: int = 2) -> list[DeepTes
     add(nccl.CHECK, dc.nccl.enabled, 900 if level == 2 else 1800, lambda t: _nccl_test(config, ctx, t),
         dc.nccl.timeout_s)
     add(efa.CHECK, dc.efa.enabled, 120, lambda t: _efa_pingpong(config, ctx, t), dc.efa.timeout_s)
+    nc = dc.neuron
+    # Neuron tests where the node has Neuron devices (its profile says so, or neuron-ls is installed).
+    on_neuron = nc.enabled and bool((profile is not None and profile.neuron_devices) or find_tool(nc.neuron_ls))
+    add(neuron.COUNT_CHECK, on_neuron, 30,
+        lambda t: lambda: neuron.run_neuron_ls_count(profile.neuron_devices if profile else None, nc.neuron_ls, t),
+        nc.timeout_s)
+    add(neuron.HW_CHECK, on_neuron and nc.hw_check, 900 if level == 2 else 3600,
+        lambda t: lambda: neuron.run_hw_check(binary=nc.nccom_test, neuron_ls_binary=nc.neuron_ls, timeout_s=t,
+                                              iters=20 if level == 2 else 200),
+        nc.timeout_s)
+    add(neuron.NCCOM_CHECK, on_neuron, 600 if level == 2 else 1800,
+        lambda t: lambda: neuron.run_nccom(binary=nc.nccom_test, max_bytes=nc.nccom_max_bytes,
+                                           threshold_busbw_gbs=nc.nccom_threshold_gbs, timeout_s=t,
+                                           neuron_ls_binary=nc.neuron_ls),
+        nc.timeout_s)
     duration = dc.stress.duration_s if level == 2 else dc.stress.full_duration_s
     for kind in dc.stress.kinds:
         add(f"stress.{kind}", dc.stress.enabled, duration + 60,

@@ -169,3 +169,62 @@ def _report(run: DiagRun, config: Config, deep_log: DeepCheckLog, as_json: bool)
             print(f"    {f.component}: {f.code} {f.message[:140]}")
     if deep_log.path is not None:
         print(f"records: {deep_log.path}")
+
+
+def cmd_diag_cluster(args: argparse.Namespace, config: Config) -> int:
+    """The all-reduce across nodes through srun, bisected on failure; or, for Kubernetes, the Job that runs it."""
+    from nodemedic.actions.kubernetes import PREFIXES
+    from nodemedic.checks.active import cluster
+
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(message)s")
+    nccl_cfg = config.deep_checks.nccl
+    binary = None if args.torch else (args.binary or nccl_cfg.binary)
+    min_bytes = args.min_bytes or (nccl_cfg.min_bytes if binary else nccl_cfg.torch_min_bytes)
+    max_bytes = args.max_bytes or (nccl_cfg.max_bytes if binary else nccl_cfg.torch_max_bytes)
+    if args.kubernetes:
+        if not args.image:
+            print("nodemedic diag cluster --kubernetes needs --image (an image with nodemedic[torch])", file=sys.stderr)
+            return EXIT_ERROR
+        prefix = config.actions.kubernetes.prefix or PREFIXES.get(config.profile, PREFIXES["default"])
+        objs = cluster.render_k8s_job(args.nodes, image=args.image, namespace=args.namespace,
+                                      gpus_per_node=args.tasks_per_node or 8, tasks_per_node=args.tasks_per_node,
+                                      min_bytes=args.min_bytes or nccl_cfg.torch_min_bytes,
+                                      max_bytes=args.max_bytes or nccl_cfg.torch_max_bytes,
+                                      threshold_busbw_gbs=args.threshold, efa_per_node=args.efa_per_node,
+                                      taint_prefix=prefix)
+        print(cluster.dump_yaml(objs), end="")
+        return EXIT_PASSED
+    instance_type = config.instance_type
+    command: dict[str, Any] = {"binary": binary, "min_bytes": min_bytes, "max_bytes": max_bytes,
+                               "gpus_per_task": args.gpus_per_task, "mpi": args.mpi}
+    if args.srun_arg:
+        command["extra_srun_args"] = args.srun_arg
+    cancel = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: cancel.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    deep_log = DeepCheckLog(config.deep_checks.log_path, config.node_name, instance_type,
+                            config.deep_checks.log_max_bytes, config.deep_checks.log_backups,
+                            fallback=Path(config.state_dir) / DEEP_LOG_NAME)
+    try:
+        from nodemedic.checks.tools import cancel_scope
+
+        with cancel_scope(cancel):
+            result = cluster.run_cluster(args.nodes, tasks_per_node=args.tasks_per_node or 8,
+                                         threshold_busbw_gbs=args.threshold, instance_type=instance_type,
+                                         bisect_on_failure=not args.no_bisect, timeout_s=args.timeout, **command)
+        deep_log.write(COMPLETED, {"run_id": new_run_id(), "trigger": "cli-cluster", "cluster": result.record(),
+                                   "status": str(result.result.status)}, time.time())
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        deep_log.close()
+    r = result.result
+    if args.json:
+        print(json.dumps(result.record(), indent=2, default=str))
+    else:
+        print(f"{r.name}: {r.status} - {r.summary}")
+        if result.bad_nodes:
+            print(f"bad node(s): {', '.join(result.bad_nodes)}")
+        for f in r.findings:
+            print(f"  {f.component}: {f.code} {f.message[:160]}")
+    return {"passed": EXIT_PASSED, "failed": EXIT_FAILED}.get(str(r.status), EXIT_ERROR)

@@ -182,3 +182,50 @@ def test_gloo_allreduce_through_srun(slurm, env):
     assert result.metrics["NcclTotalDevices"] == 2 and result.metrics["NcclNodes"] == 1
     assert result.metrics["NcclMaxAlgoBw"] > 0 and result.metrics["wrong"] == 0
     assert "torch_allreduce" in " ".join(result.evidence["command"])
+
+
+@pytest.mark.timeout(180)
+def test_nodemedic_diag_cluster_command_through_srun(slurm, env, binary, tmp_path):
+    """The operator's command end to end: srun on the test cluster, the verdict, the exit status, the log record."""
+    import json
+    import subprocess
+    import sys
+
+    config = tmp_path / "cfg.yaml"
+    config.write_text(f"state_dir: {tmp_path / 'state'}\nimds: {{enabled: false}}\n"
+                      f"deep_checks: {{log_path: {tmp_path / 'deep.log'}}}\n")
+    base = [sys.executable, "-m", "nodemedic", "diag", "cluster", "--config", str(config), "--nodes", slurm.node,
+            "--tasks-per-node", "2", "--gpus-per-task", "0", "--binary", str(binary), "--threshold", "100"]
+    try:
+        ok = subprocess.run([*base, "--json"], env=env, capture_output=True, text=True, timeout=120)
+        assert ok.returncode == 0, ok.stderr
+        record = json.loads(ok.stdout)
+        assert record["status"] == "passed" and record["metrics"]["NcclTotalDevices"] == 2
+        bad = subprocess.run(base, env={**env, "ALL_REDUCE_PERF_FAKE_OUTPUT": "h100_g8_wrong_synthetic.txt"},
+                             capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 1 and "NCCL_WRONG_RESULTS" in bad.stdout, bad.stdout + bad.stderr
+    finally:
+        settle(slurm)
+    logged = [json.loads(line) for line in (tmp_path / "deep.log").read_text().splitlines()]
+    assert [r["status"] for r in logged] == ["passed", "failed"]
+    assert logged[0]["cluster"]["name"] == CHECK
+
+
+def test_nodemedic_diag_cluster_kubernetes_manifest_validates(tmp_path):
+    import subprocess
+    import sys
+
+    import kubernetes_validate
+    import yaml
+
+    out = subprocess.run([sys.executable, "-m", "nodemedic", "diag", "cluster", "--config", "/dev/null", "--nodes",
+                          "gpu[01-04]", "--kubernetes", "--image", "registry.example/nodemedic:1", "--tasks-per-node",
+                          "8", "--efa-per-node", "32"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    docs = list(yaml.safe_load_all(out.stdout))
+    assert [d["kind"] for d in docs] == ["Service", "Job"]
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.30", strict=True)
+    job = docs[1]
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == 4
+    assert job["spec"]["completionMode"] == "Indexed"

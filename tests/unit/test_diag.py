@@ -220,3 +220,17 @@ def test_efa_count_with_real_fi_info():
     assert short.status is Status.FAILED and short.findings[0].code == "EFA_COUNT_MISMATCH"
     none = counts.run_efa_count(None, provider="efa")  # no EFA here: fi_info says ENODATA
     assert none.status is Status.SKIPPED
+
+
+def test_neuron_tests_are_planned_on_trainium_and_run_through_the_fakes(monkeypatch):
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert not [t for t in build_plan(config(), P5, 2) if t.name.startswith("neuron.")]
+    fakes = str(__import__("conftest").REPO / "tests" / "fakes" / "bin")
+    monkeypatch.setenv("PATH", f"{fakes}:{__import__('os').environ['PATH']}")
+    trn2 = NodeContext("t1", "trn2.48xlarge", profile_for("trn2.48xlarge"))
+    tests = {t.name: t for t in build_plan(config(), trn2, 2)}
+    assert {"neuron.device_count", "neuron.hw_check", "neuron.nccom"} <= set(tests)
+    assert tests["neuron.device_count"].run().status is Status.PASSED  # the fake lists 16 devices
+    monkeypatch.setenv("NEURON_LS_FAKE_OUTPUT", "ls_trn2_15dev_missing7_synthetic.json")
+    short = tests["neuron.device_count"].run()
+    assert short.status is Status.FAILED and short.findings[0].code == "NEURON_DEVICE_COUNT_LOW"
