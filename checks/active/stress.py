@@ -168,6 +168,28 @@ def parse_stress_output(text: str, returncode: int, kind: str | None = None,
     return Status.PASSED, [], metrics
 
 
+def available_memory(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int:
+    """Memory this process may still use: the host's available memory, or less under a cgroup v2 limit.
+
+    Inside a pod or a systemd unit with MemoryMax, the host's free memory is not ours: sizing stress-ng by it
+    would get the run OOM-killed by the cgroup (or the agent with it).
+    """
+    available = int(psutil.virtual_memory().available)
+    try:
+        rel = next((line.split("::", 1)[1] for line in open(proc_cgroup, encoding="ascii")
+                    if line.startswith("0::")), "/").strip()
+        group = os.path.join(cgroup_root, rel.lstrip("/"))
+        with open(os.path.join(group, "memory.max"), encoding="ascii") as fh:
+            limit = fh.read().strip()
+        with open(os.path.join(group, "memory.current"), encoding="ascii") as fh:
+            current = int(fh.read().strip())
+    except (OSError, ValueError, StopIteration):
+        return available
+    if limit == "max":
+        return available
+    return max(0, min(available, int(limit) - current))
+
+
 def _workers() -> int:
     return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
 
@@ -182,7 +204,7 @@ def build_args(kind: str, duration_s: float, scratch_dir: str | None = None, mem
     if kind == "memory":
         if not 0 < memory_fraction <= 0.9:
             raise ValueError(f"memory_fraction must be in (0, 0.9], not {memory_fraction}")
-        total = int(psutil.virtual_memory().available * memory_fraction)
+        total = int(available_memory() * memory_fraction)
         # Given per worker; stress-ng versions that split --vm-bytes across instances then use less, never more.
         per_worker = max(MIN_BYTES, total // workers)
         return [binary, "--vm", str(workers), "--vm-bytes", f"{per_worker}", "--verify", "--page-in",

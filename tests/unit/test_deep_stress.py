@@ -192,3 +192,18 @@ def test_zero_bogo_ops_of_our_own_run_is_no_verdict(tmp_path):
     assert result.status is Status.ERROR and result.findings == []
     assert "verified nothing" in result.summary
     assert result.evidence["warnings"] == ["zero bogo ops from vm: nothing was verified (run too short?)"]
+
+
+def test_memory_test_is_sized_to_the_cgroup_limit_not_the_host(tmp_path):
+    from nodemedic.checks.active.stress import available_memory
+
+    (tmp_path / "proc").write_text("0::/system.slice/nodemedic.service\n")
+    group = tmp_path / "cg" / "system.slice" / "nodemedic.service"
+    group.mkdir(parents=True)
+    (group / "memory.max").write_text(f"{256 << 20}\n")
+    (group / "memory.current").write_text(f"{56 << 20}\n")
+    assert available_memory(str(tmp_path / "cg"), str(tmp_path / "proc")) == 200 << 20
+    (group / "memory.max").write_text("max\n")
+    host = available_memory(str(tmp_path / "cg"), str(tmp_path / "proc"))
+    assert host > 200 << 20  # no limit: the host's available memory
+    assert available_memory(str(tmp_path / "nowhere"), str(tmp_path / "proc")) > 0
