@@ -15,6 +15,7 @@ from typing import Sequence
 # Run as a script (`python benchmarks/run.py`): the sibling modules import each other by bare name.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import deep  # noqa: E402
 import idle  # noqa: E402
 import kube  # noqa: E402
 import latency  # noqa: E402
@@ -25,7 +26,7 @@ import storm  # noqa: E402
 import throughput  # noqa: E402
 from harness import FULL, QUICK, Result, Sizes  # noqa: E402
 
-BENCHMARKS: dict[str, ModuleType] = {m.NAME: m for m in (latency, throughput, storm, nvml, kube, slurm, recovery, idle)}
+BENCHMARKS: dict[str, ModuleType] = {m.NAME: m for m in (latency, throughput, storm, nvml, kube, slurm, recovery, deep, idle)}
 HEADER = ("BENCHMARK", "METRIC", "VALUE", "TARGET", "RESULT")
 
 
