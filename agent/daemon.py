@@ -85,7 +85,7 @@ class Agent:
         self.deep_log: DeepCheckLog | None = None
         self.deep_run: DiagRun | None = None      # the run in progress, for status and tests
         self.deep_runs = 0
-        self._deep_requests: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._deep_requests: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._deep_cancel = threading.Event()
         self._deep_thread: threading.Thread | None = None
 
@@ -161,6 +161,7 @@ class Agent:
     def stop(self) -> None:
         self._stop.set()
         self._deep_cancel.set()
+        self._deep_requests.put(None)
         if self._deep_thread is not None:
             # A cancelled run kills its tools and queues its end before the queue is drained below.
             self._deep_thread.join(timeout=GRACE_S + 10)
@@ -249,7 +250,10 @@ class Agent:
         done = cmd.pop("_done", None)
         try:
             if cmd.get("command") == "diag":
-                self.request_deep_check(cmd.get("level"), cmd.get("only"), str(cmd.get("trigger") or "request"))
+                if self._deep_thread is None:
+                    log.error("deep checks were requested but are disabled (deep_checks.enabled: false)")
+                else:
+                    self.request_deep_check(cmd.get("level"), cmd.get("only"), str(cmd.get("trigger") or "request"))
                 return
             decisions = apply_command(self.policy, self.state, cmd, self.clock(), observe=self.handle)
         except (KeyError, ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
@@ -324,13 +328,14 @@ class Agent:
         if dc.on_start:
             self.request_deep_check(trigger="on_start")
         while not self._stop.is_set():
-            wait = 1.0 if next_due is None else max(0.0, min(1.0, next_due - time.monotonic()))
+            # Asleep until asked, due, or stopped (stop() wakes it with None): no polling while idle.
+            wait = None if next_due is None else max(0.0, next_due - time.monotonic())
             try:
                 req = self._deep_requests.get(timeout=wait)
             except queue.Empty:
-                if next_due is None or time.monotonic() < next_due:
-                    continue
                 req = {"level": dc.level, "only": None, "trigger": "schedule"}
+            if req is None or self._stop.is_set():
+                return
             try:
                 self.run_deep_checks(int(req["level"]), req.get("only"), str(req["trigger"]))
             except Exception:  # a broken run must not end scheduled runs

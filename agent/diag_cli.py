@@ -195,7 +195,7 @@ def cmd_diag_cluster(args: argparse.Namespace, config: Config) -> int:
                                       taint_prefix=prefix)
         print(cluster.dump_yaml(objs), end="")
         return EXIT_PASSED
-    instance_type = config.instance_type
+    instance_type = _context(config).instance_type  # the group is assumed to be of this node's type
     command: dict[str, Any] = {"binary": binary, "min_bytes": min_bytes, "max_bytes": max_bytes,
                                "gpus_per_task": args.gpus_per_task, "mpi": args.mpi}
     if args.srun_arg:

@@ -11,6 +11,9 @@ from nodemedic.catalog import load_catalog
 from nodemedic.model import Finding, Severity
 from nodemedic.policy import Policy, PolicyConfig, PolicyState
 
+# Every test's leftover-process checks count only what that test started (see fakes/processes.py).
+from fakes.processes import existing_children  # noqa: E402,F401 (an autouse fixture)
+
 FIXTURES = Path(__file__).parent / "fixtures"
 REPO = Path(__file__).parent.parent
 BIN = Path(sys.executable).parent

@@ -39,7 +39,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from nodemedic.checks.active.base import DeepCheckResult, Status, unavailable_status
 from nodemedic.checks.base import CheckUnavailable
@@ -581,10 +581,3 @@ def _hw_metrics(verdicts: list[DeviceVerdict]) -> dict[str, Any]:
             "errors": [v.device for v in verdicts if v.status is Status.ERROR],
             "busbw_gbs": {str(v.device): v.busbw_gbs for v in verdicts}}
 
-
-# What a runner can call, each with keyword arguments (timeout_s, binary, thresholds, expected).
-NEURON_CHECKS: tuple[tuple[str, Callable[..., DeepCheckResult]], ...] = (
-    (COUNT_CHECK, run_neuron_ls_count),
-    (HW_CHECK, run_hw_check),
-    (NCCOM_CHECK, run_nccom),
-)

@@ -70,6 +70,9 @@ def test_a_passing_run_holds_the_node_then_restores_it(tmp_path):
         assert [str(r.status) for r in run.results] == ["passed", "passed"] and run.status == "Passed"
         assert agent.state.verdict.health is Health.SCHEDULABLE and agent.state.verdict.deep_check == "Passed"
         assert agent.state.deep_run is None
+        sample = agent.metrics.registry.get_sample_value
+        assert sample("nodemedic_deep_check_runs_total", {"status": "Passed"}) == 1
+        assert sample("nodemedic_deep_check_results_total", {"check": "stress.cpu", "status": "passed"}) == 1
     assert local_actions(tmp_path) == [("Schedulable", None), ("Unschedulable", "InProgress"),
                                        ("Schedulable", "Passed")]
     records = read_records(tmp_path / "log" / "deep.log")
@@ -119,6 +122,25 @@ def test_stopping_the_agent_cancels_the_run_and_leaves_no_process(tmp_path):
     assert state.deep_run is None and state.verdict.deep_check == "Error"
     assert state.verdict.health is Health.SCHEDULABLE
     assert read_records(tmp_path / "log" / "deep.log")[-1]["cancelled"] is True
+
+
+def test_scheduled_runs_and_a_background_request(tmp_path):
+    agent = make_agent(tmp_path, **{"deep_checks.stress.enabled": False, "deep_checks.interval_s": 0.5})
+    with running(agent):
+        wait_for(lambda: agent.deep_runs >= 2, 30, "two scheduled runs")
+    triggers = {r["trigger"] for r in read_records(tmp_path / "log" / "deep.log") if r["event"].endswith("Started")}
+    assert triggers == {"schedule"}
+
+    agent = make_agent(tmp_path)
+    with running(agent):
+        out = cli(tmp_path, "--background", "--only", "dcgm")
+        assert out.returncode == 0, out.stderr
+        wait_for(lambda: agent.deep_runs == 1 and agent.deep_run is None, 30, "requested run")
+        settled(agent)
+        assert agent.state.verdict.deep_check == "Passed"
+    last = [r for r in read_records(tmp_path / "log" / "deep.log") if r["event"].endswith("Started")][-1]
+    assert (last["trigger"], last["tests"]) == ("request", ["dcgm.diag"])
+    assert cli(tmp_path, "--background").returncode == 2  # no agent to ask
 
 
 def test_a_run_interrupted_by_a_crash_is_ended_at_restart(tmp_path):

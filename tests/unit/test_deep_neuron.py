@@ -6,10 +6,8 @@ import json
 import os
 import threading
 import time
-import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 
 from nodemedic.checks.active.base import Status
@@ -19,7 +17,6 @@ from nodemedic.checks.active.neuron import (
     HW_CHECK_FAILED,
     NCCOM_BUSBW_LOW,
     NCCOM_WRONG_RESULTS,
-    NEURON_CHECKS,
     NeuronDevice,
     judge_nccom,
     nccom_command,
@@ -33,12 +30,11 @@ from nodemedic.catalog import load_catalog
 from nodemedic.checks.tools import cancel_scope
 from nodemedic.model import Action, Severity
 
-from fakes.processes import existing_children, new_children  # noqa: F401 (autouse fixture)
+from fakes.processes import assert_nothing_left, existing_children, process_tag  # noqa: F401 (fixtures)
 from fakes.replay import replay
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "neuron"
 FAKE_BIN = Path(__file__).parent.parent / "fakes" / "bin"
-TAG = "NEURON_FAKE_TEST_TAG"
 GIB = 1024 ** 3
 
 
@@ -61,32 +57,11 @@ def trn2_devices(indexes) -> list[NeuronDevice]:
 
 
 @pytest.fixture(autouse=True)
-def tag(monkeypatch) -> str:
-    """Mark every process a test starts, so leftovers are found even after they were re-parented to init."""
-    value = uuid.uuid4().hex
-    monkeypatch.setenv(TAG, value)
+def tag(process_tag, monkeypatch) -> str:
+    """Every process a test starts carries the tag (fakes.processes), so leftovers are found wherever they went."""
     monkeypatch.delenv("NEURON_RT_ROOT_COMM_ID", raising=False)
     monkeypatch.delenv("NEURON_RT_VISIBLE_CORES", raising=False)
-    return value
-
-
-def tagged(value: str) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.pid != os.getpid() and proc.environ().get(TAG) == value:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
-
-
-def assert_nothing_left(value: str, within_s: float = 10.0) -> None:
-    deadline = time.monotonic() + within_s
-    while (new_children() or tagged(value)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert new_children() == []
-    assert tagged(value) == []
+    return process_tag
 
 
 @pytest.fixture
@@ -544,7 +519,3 @@ def test_hw_check_cancel(ls, nc, monkeypatch, tag):
     assert result.status is Status.ERROR and "cancelled" in result.summary
     assert time.monotonic() - started < 10
     assert_nothing_left(tag)
-
-
-def test_checks_are_listed_for_a_runner():
-    assert [name for name, _ in NEURON_CHECKS] == ["neuron.device_count", "neuron.hw_check", "neuron.nccom"]

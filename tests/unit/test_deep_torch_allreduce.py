@@ -8,9 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 
-import psutil
 import pytest
 
 from nodemedic.checks.active import torch_allreduce as ta
@@ -18,42 +16,20 @@ from nodemedic.checks.active.base import Status
 from nodemedic.checks.active.nccl import BUSBW_LOW, CHECK, WRONG_RESULTS, parse_allreduce
 from nodemedic.checks.tools import cancel_scope
 
-from fakes.processes import existing_children, new_children  # noqa: F401 (autouse fixture)
+from fakes.processes import assert_nothing_left, existing_children, new_children, process_tag  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not ta.torch_available(), reason="torch not installed")
 
 RECORD_KEYS = {"NcclMaxAlgoBw", "NcclAvgAlgoBw", "NcclThresholdAlgoBw", "NcclOutOfBoundError", "NcclOperations",
                "NcclTotalDevices", "NcclNodes"}
 SMALL = {"backend": "gloo", "min_bytes": "4K", "max_bytes": "1M", "iters": 3, "warmup": 1}
-TAG = "ALLREDUCE_TEST_TAG"
 
 
 @pytest.fixture(autouse=True)
-def tag(monkeypatch) -> str:
-    """Mark every process a test starts, so leftovers are found even after they were re-parented to init."""
-    value = uuid.uuid4().hex
-    monkeypatch.setenv(TAG, value)
+def tag(process_tag, monkeypatch) -> str:
+    """Every process a test starts carries the tag (fakes.processes), so leftovers are found wherever they went."""
     monkeypatch.delenv(ta.FAULT_ENV, raising=False)
-    return value
-
-
-def tagged(value: str) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.pid != os.getpid() and proc.environ().get(TAG) == value:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
-
-
-def assert_nothing_left(value: str, within_s: float = 10.0) -> None:
-    deadline = time.monotonic() + within_s
-    while (new_children() or tagged(value)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert new_children() == []
-    assert tagged(value) == []
+    return process_tag
 
 
 # -- sizes, ranks and the output format ---------------------------------------------------------------------------

@@ -313,3 +313,37 @@ def test_held_fault_clears_when_its_only_source_recovers(policy, state, clock):
     policy.observe(state, finding("GPU_LOST", GPU0, check="nvml.fields"), clock())
     d = policy.observe(state, finding("GPU_LOST", GPU0, check="nvml.fields", healthy=True), clock())
     assert d.outcome is Outcome.CLEARED and state.active == {}
+
+
+def test_deep_check_hold_and_status(policy, state, clock):
+    from nodemedic.policy import DeepCheckRun
+
+    run = DeepCheckRun(run_id="r1", started=clock.now, expires=clock.now + 600)
+    gen = state.verdict.generation
+    policy.deep_check_begin(state, run, clock.now)
+    v = state.verdict
+    assert (v.health, v.deep_check, v.action, v.fault_reasons) == (Health.UNSCHEDULABLE, "InProgress", "none", [])
+    assert v.generation == gen + 1
+    assert not policy.deep_check_end(state, "other-run", "Passed", clock.now)  # not the run holding the node
+    assert policy.deep_check_end(state, "r1", "Passed", clock.advance(60))
+    assert (state.verdict.health, state.verdict.deep_check) == (Health.SCHEDULABLE, "Passed")
+    assert state.verdict.generation == gen + 2 and state.deep_run is None
+
+
+def test_deep_check_without_hold_and_faults_found_during_the_run(policy, state, clock):
+    from nodemedic.policy import DeepCheckRun
+
+    policy.deep_check_begin(state, DeepCheckRun(run_id="r", started=0, expires=1e12, hold=False), clock.now)
+    assert state.verdict.health is Health.SCHEDULABLE and state.verdict.deep_check == "InProgress"
+    policy.observe(state, finding("NCCL_BUSBW_LOW", "node", check="nccl.all_reduce"), clock.now)
+    policy.deep_check_end(state, "r", "Failed", clock.now)
+    assert state.verdict.health is Health.PENDING_REBOOT and state.verdict.deep_check == "Failed"
+
+
+def test_deep_check_lease_expires(policy, state, clock):
+    from nodemedic.policy import DeepCheckRun
+
+    policy.deep_check_begin(state, DeepCheckRun(run_id="r", started=clock.now, expires=clock.now + 10), clock.now)
+    assert not policy.deep_check_expire(state, clock.advance(9))
+    assert policy.deep_check_expire(state, clock.advance(2))
+    assert (state.verdict.health, state.verdict.deep_check) == (Health.SCHEDULABLE, "Error")
