@@ -241,6 +241,8 @@ def run_test(test: DeepTest, cancel: threading.Event, backstop_s: float = BACKST
     why = ""
     while worker.is_alive():
         worker.join(0.1)
+        if not worker.is_alive():
+            break  # finished: its own result stands, even if a cancel came in the same instant
         if cancel.is_set():
             why = "cancelled"
         elif time.monotonic() >= limit:

@@ -48,11 +48,14 @@ class DirectPublisher:
 
     def send(self, cmd: dict[str, Any]) -> str | None:
         """Apply one command and push the verdict; returns why the platform could not be told, or None."""
-        self.store.ensure_dir()
-        with self.store.locked():
-            state = self.store.load()
-            apply_command(self.policy, state, cmd, time.time())
-            self.store.save(state)
+        try:
+            self.store.ensure_dir()
+            with self.store.locked():
+                state = self.store.load()
+                apply_command(self.policy, state, cmd, time.time())
+                self.store.save(state)
+        except OSError as exc:
+            return f"cannot update the state in {self.config.state_dir}: {exc} (pass --state-dir or run as root)"
         problems = []
         for backend in self.backends:
             try:

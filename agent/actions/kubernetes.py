@@ -130,6 +130,13 @@ class Desired:
     cordon: bool
 
 
+def _why(verdict: NodeVerdict) -> str:
+    """The node's fault codes, or what holds it when no fault does."""
+    if verdict.fault_reasons:
+        return ", ".join(verdict.fault_reasons)
+    return f"deep health check {DEEP_IN_PROGRESS}" if held_for_deep_checks(verdict) else ""
+
+
 def held_for_deep_checks(verdict: NodeVerdict) -> bool:
     """Out of scheduling only while deep checks run: a bounded, requested hold, not a quarantine decision, so the
     circuit breaker (there to stop a false alarm taking out the fleet) does not count it."""
@@ -380,7 +387,7 @@ class KubernetesBackend(ActionBackend):
     def _set_condition(self, health: Health, verdict: NodeVerdict) -> None:
         ok = health is Health.SCHEDULABLE
         now = _now_iso(self.clock())
-        reasons = ", ".join(verdict.fault_reasons) or "no faults"
+        reasons = _why(verdict) or "no faults"
         condition = {"type": self.config.condition_type, "status": "True" if ok else "False",
                      "reason": health.value, "message": f"nodemedic: {health.value} ({reasons})"[:1024],
                      "lastHeartbeatTime": now, "lastTransitionTime": now}
@@ -397,7 +404,7 @@ class KubernetesBackend(ActionBackend):
             return
         now = _now_iso(self.clock())
         meta = node.get("metadata", {})
-        reasons = ", ".join(verdict.fault_reasons)
+        reasons = _why(verdict)
         body = {
             "apiVersion": "v1", "kind": "Event",
             "metadata": {"name": f"{self.node_name}.{uuid.uuid4().hex[:16]}",

@@ -207,6 +207,11 @@ def test_cli_diag_without_an_agent_applies_itself_and_exit_codes(tmp_path):
     assert out.returncode == 2 and "Error" in out.stdout
     out = cli(tmp_path, "--only", "nope")
     assert out.returncode == 2 and "unknown deep check" in out.stderr
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    out = cli(tmp_path, "--only", "dcgm", "--state-dir", str(blocker / "state"))
+    assert out.returncode == 2 and "could not be held" in out.stdout and "cannot update the state" in out.stdout
+    assert "Traceback" not in out.stderr
 
 
 @pytest.mark.timeout(60)
@@ -262,6 +267,8 @@ def test_kubernetes_label_cordon_and_taint_during_the_run_then_restored(tmp_path
         held = [n for n in seen if n["metadata"]["labels"].get(DEEP_LABEL) == "InProgress"]
         assert held, "the InProgress label was never visible during the run"
         node = held[-1]
+        condition = next(c for c in node["status"]["conditions"] if c["type"] == "AcceleratedHardwareReady")
+        assert condition["message"] == "nodemedic: Unschedulable (deep health check InProgress)"
         assert node["metadata"]["labels"][KUBE_KEY] == "Unschedulable"
         assert {"key": KUBE_KEY, "value": "Unschedulable", "effect": "NoSchedule"} in node["spec"]["taints"]
         after = api.node(NODE)
