@@ -347,6 +347,13 @@ class Agent:
         """One run: hold the node, run the tests, feed the policy as each ends, publish the outcome, release."""
         dc = self.config.deep_checks
         run = DiagRun(new_run_id(), level, trigger, self.clock())
+        other = self.state.deep_run
+        if other is not None and other.expires > run.started:
+            # One run at a time on a node: a `nodemedic diag` from a shell may hold it now.
+            run.note = f"run {other.run_id} ({other.trigger}) is in progress: not started"
+            run.finished = run.started
+            log.warning("deep-check run (%s) skipped: %s", trigger, run.note)
+            return run
         try:
             tests = select(build_plan(self.config, self.ctx, level), only)
         except ValueError as exc:

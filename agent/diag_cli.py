@@ -122,6 +122,10 @@ def cmd_diag(args: argparse.Namespace, config: Config) -> int:
                          f"{dc.log_path}", file=sys.stderr if problem else sys.stdout)
         return EXIT_ERROR if problem else EXIT_PASSED
 
+    busy = _run_in_progress(config)
+    if busy:
+        print(f"nodemedic diag: {busy}; not starting another", file=sys.stderr)
+        return EXIT_ERROR
     hold = dc.hold_node and not args.no_hold
     publisher = InboxPublisher(config) if running else DirectPublisher(config)
     deep_log = DeepCheckLog(dc.log_path, config.node_name, ctx.instance_type, dc.log_max_bytes, dc.log_backups,
@@ -155,6 +159,20 @@ def cmd_diag(args: argparse.Namespace, config: Config) -> int:
         deep_log.close()
     _report(run, config, deep_log, args.json)
     return {DEEP_PASSED: EXIT_PASSED, DEEP_FAILED: EXIT_FAILED}.get(run.status, EXIT_ERROR)
+
+
+def _run_in_progress(config: Config) -> str | None:
+    """The deep-check run holding this node now, if any (its lease not yet out)."""
+    store = StateStore(config.state_dir)
+    if not store.path.exists():
+        return None
+    try:
+        run = store.load().deep_run
+    except OSError:
+        return None
+    if run is None or run.expires <= time.time():
+        return None
+    return f"deep-check run {run.run_id} ({run.trigger}, level {run.level}) is in progress"
 
 
 def _report(run: DiagRun, config: Config, deep_log: DeepCheckLog, as_json: bool) -> None:

@@ -158,6 +158,19 @@ def test_a_run_interrupted_by_a_crash_is_ended_at_restart(tmp_path):
         assert agent.state.verdict.health is Health.SCHEDULABLE
 
 
+def test_one_run_at_a_time(tmp_path):
+    agent = make_agent(tmp_path)
+    with running(agent):
+        agent.command({"command": "deep_check_begin", "run": {"run_id": "cli-1", "started": time.time(),
+                                                              "expires": time.time() + 600, "trigger": "cli"}})
+        wait_for(lambda: agent.state.deep_run is not None, 5, "held")
+        skipped = agent.run_deep_checks(2)
+        assert skipped.status == "Error" and "cli-1" in skipped.note and not skipped.results
+        out = cli(tmp_path, "--only", "dcgm")
+        assert out.returncode == 2 and "cli-1" in out.stderr and "in progress" in out.stderr
+        assert agent.state.deep_run.run_id == "cli-1"
+
+
 def test_an_expired_cli_lease_lifts_the_hold(tmp_path):
     agent = make_agent(tmp_path)
     with running(agent):
