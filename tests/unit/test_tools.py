@@ -52,3 +52,32 @@ def test_timeout_kills_the_whole_process_group(tmp_path):
             return
         time.sleep(0.05)
     pytest.fail("the tool's child outlived the timeout")
+
+
+def test_cancel_scope_kills_the_tool_and_its_group():
+    import threading
+    import time
+
+    from nodemedic.checks.tools import Cancelled, ToolNotFound, cancel_scope, check_cancelled
+
+    from fakes.processes import new_children
+
+    event = threading.Event()
+    threading.Timer(0.3, event.set).start()
+    started = time.monotonic()
+    with cancel_scope(event), pytest.raises(Cancelled, match="sh cancelled"):
+        run_tool(["sh", "-c", "sleep 60 & sleep 60; wait"], timeout_s=60)
+    assert time.monotonic() - started < 5
+    deadline = time.monotonic() + 5
+    while new_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert new_children() == []
+    with cancel_scope(event):
+        with pytest.raises(Cancelled, match="before it started"):
+            run_tool(["true"], timeout_s=5)
+        with pytest.raises(Cancelled):
+            check_cancelled("loop")
+    check_cancelled("outside any scope")  # no scope: nothing to cancel
+    assert run_tool(["true"], timeout_s=5).returncode == 0
+    with pytest.raises(ToolNotFound):
+        run_tool(["no-such-tool-here"], timeout_s=1)
