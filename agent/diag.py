@@ -101,9 +101,31 @@ def _skipped(name: str, why: str) -> Callable[[], DeepCheckResult]:
     return lambda: DeepCheckResult(name, Status.SKIPPED, why)
 
 
+def visible_gpus() -> int | None:
+    """GPUs NVML sees here, for a node with no instance profile; None without NVML."""
+    try:
+        from nodemedic.checks.nvidia.nvml import load_pynvml
+
+        nvml = load_pynvml()
+        nvml.nvmlInit()
+    except Exception:  # no bindings, no driver: not a GPU node as far as the plan can tell
+        return None
+    try:
+        return int(nvml.nvmlDeviceGetCount())
+    except Exception:
+        return None
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
 def _nccl_test(config: Config, ctx: NodeContext, timeout: float) -> Callable[[], DeepCheckResult]:
     cfg = config.deep_checks.nccl
     gpus = cfg.gpus or ctx.expected_gpus
+    if gpus is None and ctx.profile is None:
+        gpus = visible_gpus() or None
     threshold = cfg.threshold_gbs if cfg.threshold_gbs is not None else nccl.threshold_for(ctx.instance_type, 1)
     if gpus and find_tool(cfg.binary):
         return lambda: nccl.run_allreduce(cfg.binary, gpus, cfg.min_bytes, cfg.max_bytes, timeout, threshold)

@@ -234,3 +234,20 @@ def test_neuron_tests_are_planned_on_trainium_and_run_through_the_fakes(monkeypa
     monkeypatch.setenv("NEURON_LS_FAKE_OUTPUT", "ls_trn2_15dev_missing7_synthetic.json")
     short = tests["neuron.device_count"].run()
     assert short.status is Status.FAILED and short.findings[0].code == "NEURON_DEVICE_COUNT_LOW"
+
+
+def test_without_a_profile_the_all_reduce_uses_the_gpus_nvml_sees(monkeypatch):
+    from nodemedic import diag
+    from nodemedic.checks.active import torch_allreduce
+
+    calls = []
+    monkeypatch.setattr("nodemedic.checks.nvidia.nvml.load_pynvml", lambda: FakeNvml(default_gpus(4)))
+    monkeypatch.setattr(torch_allreduce, "run_torch_allreduce", lambda nproc, *a, **kw: calls.append(nproc))
+    monkeypatch.setattr(torch_allreduce, "torch_available", lambda: True)
+    bare = NodeContext("n1")
+    assert diag.visible_gpus() == 4
+    cfg = config(**{"deep_checks.nccl.binary": "/nonexistent/all_reduce_perf"})
+    next(t for t in build_plan(cfg, bare, 2) if t.name == "nccl.all_reduce").run()
+    monkeypatch.setattr("nodemedic.checks.nvidia.nvml.load_pynvml", lambda: (_ for _ in ()).throw(ImportError()))
+    next(t for t in build_plan(cfg, bare, 2) if t.name == "nccl.all_reduce").run()
+    assert calls == [4, 2]  # four GPUs; no NVML: two gloo ranks on CPU
