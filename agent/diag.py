@@ -58,14 +58,6 @@ class DiagRun:
             return DEEP_ERROR  # a run that never reached a verdict, or ran nothing, is not a pass
         return DEEP_PASSED
 
-    @property
-    def findings(self) -> list[Finding]:
-        return [f for r in self.results for f in result_findings(r)]
-
-    @property
-    def passed(self) -> list[str]:
-        return [r.name for r in self.results if r.status is Status.PASSED]
-
     def summary(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "level": self.level, "trigger": self.trigger, "status": self.status,
                 "cancelled": self.cancelled, "note": self.note, "duration_s": round(self.finished - self.started, 3),
@@ -159,8 +151,10 @@ def _efa_pingpong(config: Config, ctx: NodeContext, timeout: float) -> Callable[
             return DeepCheckResult(efa.CHECK, unavailable_status(exc), str(exc))
         if not devices:
             return DeepCheckResult(efa.CHECK, Status.SKIPPED, "no EFA devices")
-        return merge(efa.CHECK, [efa.run_pingpong(cfg.provider, d, iterations=cfg.iterations, timeout_s=timeout,
-                                                  thresholds=limits) for d in devices[:cfg.max_devices]])
+        chosen = devices[:cfg.max_devices]
+        each = timeout / len(chosen)  # the test's limit covers every device it pings
+        return merge(efa.CHECK, [efa.run_pingpong(cfg.provider, d, iterations=cfg.iterations, timeout_s=each,
+                                                  thresholds=limits) for d in chosen])
     return run
 
 
@@ -202,7 +196,8 @@ def build_plan(config: Config, ctx: NodeContext, level: int = 2) -> list[DeepTes
         dc.dcgm.timeout_s)
     add(nccl.CHECK, dc.nccl.enabled, 900 if level == 2 else 1800, lambda t: _nccl_test(config, ctx, t),
         dc.nccl.timeout_s)
-    add(efa.CHECK, dc.efa.enabled, 120, lambda t: _efa_pingpong(config, ctx, t), dc.efa.timeout_s)
+    add(efa.CHECK, dc.efa.enabled, 60.0 * dc.efa.max_devices, lambda t: _efa_pingpong(config, ctx, t),
+        dc.efa.timeout_s)
     nc = dc.neuron
     # Neuron tests where the node has Neuron devices (its profile says so, or neuron-ls is installed).
     on_neuron = nc.enabled and bool((profile is not None and profile.neuron_devices) or find_tool(nc.neuron_ls))
