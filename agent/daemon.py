@@ -17,13 +17,13 @@ from nodemedic import __version__
 from nodemedic.actions import ActionBackend, ActionDispatcher
 from nodemedic.actions.local import LocalBackend
 from nodemedic.catalog import load_catalog
+from nodemedic.checks.active.base import DeepCheckResult
 from nodemedic.checks.base import Check, Poller, Watcher
-from nodemedic.config import Config
 from nodemedic.checks.platform.imds import Imds, resolve_instance_type
+from nodemedic.config import Config
+from nodemedic.diag import BACKSTOP_S, GRACE_S, DiagRun, build_plan, new_run_id, result_command, run_plan, select
 from nodemedic.model import CHECK_FAILED, DEEP_ERROR, DEEP_PASSED, Action, Finding, Health, Severity
 from nodemedic.policy import DeepCheckRun, Decision, Policy, PolicyState
-from nodemedic.checks.active.base import DeepCheckResult
-from nodemedic.diag import BACKSTOP_S, GRACE_S, DiagRun, build_plan, new_run_id, result_command, run_plan, select
 from nodemedic.recovery_server import RecoveryServer, RecoveryServerError, signal_ranks
 from nodemedic.registry import applicable, build_checks, node_context
 from nodemedic.runner import CheckRunner
