@@ -41,3 +41,8 @@ class DeepCheckResult:
 def unavailable_status(exc: CheckUnavailable) -> Status:
     """A tool that is not installed means SKIPPED; one that timed out, was cancelled or would not start, ERROR."""
     return Status.SKIPPED if isinstance(exc, ToolNotFound) else Status.ERROR
+
+
+def tail(text: str, lines: int = 30) -> str:
+    """The last `lines` lines of a tool's output: evidence enough to say why, without keeping it all."""
+    return "\n".join(text.splitlines()[-lines:])

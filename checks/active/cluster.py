@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import yaml
 
 from nodemedic.checks.active import nccl
-from nodemedic.checks.active.base import DeepCheckResult, Status, unavailable_status
+from nodemedic.checks.active.base import DeepCheckResult, Status, tail, unavailable_status
 from nodemedic.checks.base import CheckUnavailable
 from nodemedic.checks.tools import check_cancelled, find_tool, run_tool
 from nodemedic.model import Finding, Severity
@@ -210,9 +210,6 @@ def build_srun_command(nodes: Sequence[str], tasks_per_node: int, *, binary: str
     return [*args, *worker, "--master-addr", master_addr or nodes[0], "--master-port", str(master_port)]
 
 
-def _tail(text: str, lines: int = 40) -> str:
-    return "\n".join(text.splitlines()[-lines:])
-
 
 def run_group(nodes: Sequence[str], *, tasks_per_node: int = 8, threshold_busbw_gbs: float | None = None,
               timeout_s: float = 900.0, env: dict[str, str] | None = None, **command: Any) -> DeepCheckResult:
@@ -240,7 +237,7 @@ def run_group(nodes: Sequence[str], *, tasks_per_node: int = 8, threshold_busbw_
         summary = (f"torch is not installed on the nodes (pip install nodemedic[torch]) and no nccl-tests binary "
                    f"was given ({_describe(nodes, tasks_per_node)})")
         return DeepCheckResult(CHECK, Status.SKIPPED, summary,
-                               evidence={**evidence, "returncode": out.returncode, "output_tail": _tail(out.output)},
+                               evidence={**evidence, "returncode": out.returncode, "output_tail": tail(out.output, 40)},
                                duration_s=time.monotonic() - started)
     result = nccl.judge(run, threshold_busbw_gbs, nodes=len(nodes), devices=len(nodes) * tasks_per_node)
     if out.returncode != 0 and result.status is not Status.FAILED:
@@ -249,7 +246,7 @@ def run_group(nodes: Sequence[str], *, tasks_per_node: int = 8, threshold_busbw_
         result.summary = f"srun exited {out.returncode}: {result.summary}"
     result.name = CHECK
     result.summary = f"{_describe(nodes, tasks_per_node)}: {result.summary}"
-    result.evidence = {**evidence, "returncode": out.returncode, "output_tail": _tail(out.output)}
+    result.evidence = {**evidence, "returncode": out.returncode, "output_tail": tail(out.output, 40)}
     result.duration_s = time.monotonic() - started
     return result
 
@@ -615,7 +612,7 @@ def judge_file(path: str, *, nodes: int, devices: int, threshold_busbw_gbs: floa
     if returncode != 0 and result.status is not Status.FAILED:
         result.status = Status.ERROR
         result.summary = f"workers exited {returncode}: {result.summary}"
-    result.evidence = {"returncode": returncode, "output_tail": _tail(text)}
+    result.evidence = {"returncode": returncode, "output_tail": tail(text, 40)}
     return result
 
 

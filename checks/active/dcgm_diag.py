@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from nodemedic.checks.active.base import DeepCheckResult, Status, unavailable_status
+from nodemedic.checks.active.base import DeepCheckResult, Status, tail, unavailable_status
 from nodemedic.checks.base import CheckUnavailable
 from nodemedic.checks.tools import run_tool
 from nodemedic.model import Action, Finding, Severity
@@ -373,7 +373,7 @@ def run_diag(level: int = 2, expected_nvlinks: int | None = None, binary: str = 
     except CheckUnavailable as exc:
         status = unavailable_status(exc)
         return DeepCheckResult(CHECK, status, str(exc), evidence=evidence, duration_s=time.monotonic() - started)
-    evidence.update(returncode=out.returncode, output_tail="\n".join(out.output.splitlines()[-40:]))
+    evidence.update(returncode=out.returncode, output_tail=tail(out.output, 40))
     try:
         report = parse_diag(out.stdout or out.output)
     except ValueError as exc:

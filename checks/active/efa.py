@@ -18,7 +18,7 @@ from typing import Any
 
 import psutil
 
-from nodemedic.checks.active.base import DeepCheckResult, Status
+from nodemedic.checks.active.base import DeepCheckResult, Status, tail
 from nodemedic.checks.base import CheckUnavailable
 from nodemedic.checks.tools import CANCEL_POLL_S, cancel_event, check_cancelled, find_tool, run_tool
 from nodemedic.model import Finding, Severity
@@ -272,9 +272,6 @@ def _run_pair(exe: str, opts: list[str], port: int, deadline: float) -> _PairRun
         run.server_rc = server.returncode if server is not None else None
 
 
-def _tail(text: str, lines: int = 20) -> str:
-    return "\n".join(text.splitlines()[-lines:])
-
 
 def run_pingpong(provider: str = "efa", device: str | None = None, sizes: list[int] | None = None,
                  iterations: int = 100, port: int | None = None, timeout_s: float = 60,
@@ -316,7 +313,7 @@ def run_pingpong(provider: str = "efa", device: str | None = None, sizes: list[i
             break
         runs.append({"server": run.server_cmd, "client": run.client_cmd, "outcome": run.outcome,
                      "server_rc": run.server_rc, "client_rc": run.client_rc,
-                     "client_tail": _tail(run.client_output), "server_tail": _tail(run.server_output)})
+                     "client_tail": tail(run.client_output, 20), "server_tail": tail(run.server_output, 20)})
         evidence = {"runs": runs, "libfabric": ".".join(map(str, version)) if version else None}
         said = f"{run.server_output}\n{run.client_output}"
         if _NODATA.search(said):

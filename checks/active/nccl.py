@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from nodemedic.checks.active.base import DeepCheckResult, Status, unavailable_status
+from nodemedic.checks.active.base import DeepCheckResult, Status, tail, unavailable_status
 from nodemedic.checks.base import CheckUnavailable
 from nodemedic.checks.platform.profiles import normalize_instance_type
 from nodemedic.checks.tools import run_tool
@@ -256,9 +256,6 @@ def judge(run: NcclRun, threshold_busbw_gbs: float | None, nodes: int | None = N
 
 # -- the runner ---------------------------------------------------------------------------------------------------
 
-def _tail(text: str, lines: int = 30) -> str:
-    return "\n".join(text.splitlines()[-lines:])
-
 
 def run_allreduce(binary: str = "all_reduce_perf", gpus: int = 8, min_bytes: str = "1G", max_bytes: str = "16G",
                   timeout_s: float = 600.0, threshold_busbw_gbs: float | None = None, nodes: int = 1,
@@ -279,6 +276,6 @@ def run_allreduce(binary: str = "all_reduce_perf", gpus: int = 8, min_bytes: str
         # A run that exits non-zero never passes, whatever it printed before.
         result.status = Status.ERROR
         result.summary = f"all_reduce_perf exited {out.returncode}: {result.summary}"
-    result.evidence = {"command": args, "returncode": out.returncode, "output_tail": _tail(out.output)}
+    result.evidence = {"command": args, "returncode": out.returncode, "output_tail": tail(out.output)}
     result.duration_s = time.monotonic() - started
     return result

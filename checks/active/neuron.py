@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from nodemedic.checks.active.base import DeepCheckResult, Status, unavailable_status
+from nodemedic.checks.active.base import DeepCheckResult, Status, tail, unavailable_status
 from nodemedic.checks.base import CheckUnavailable
 from nodemedic.checks.tools import ToolResult, run_tool
 from nodemedic.model import Finding, Severity
@@ -359,9 +359,6 @@ def judge_nccom(run: NccomRun, threshold_busbw_gbs: float | None, ranks: int | N
 
 # -- runners ------------------------------------------------------------------------------------------------------
 
-def _tail(text: str, lines: int = 30) -> str:
-    return "\n".join(text.splitlines()[-lines:])
-
 
 def _unavailable(name: str, exc: CheckUnavailable, started: float, **evidence: Any) -> DeepCheckResult:
     # A missing tool means the check is not installed (SKIPPED); a timeout or a cancel means it never finished.
@@ -400,7 +397,7 @@ def run_neuron_ls_count(expected: int | None, binary: str = "neuron-ls", timeout
         listing, out = list_devices(binary, timeout_s)
     except CheckUnavailable as exc:
         return _unavailable(COUNT_CHECK, exc, started, command=args)
-    evidence = {"command": args, "returncode": out.returncode, "output_tail": _tail(out.output)}
+    evidence = {"command": args, "returncode": out.returncode, "output_tail": tail(out.output)}
     if out.returncode != 0 or listing is None:
         why = f"exited {out.returncode}" if out.returncode != 0 else "printed no device listing"
         return DeepCheckResult(COUNT_CHECK, Status.ERROR, f"neuron-ls {why}", evidence=evidence,
@@ -475,7 +472,7 @@ def run_nccom(ranks: int | None = None, binary: str = "nccom-test", operation: s
         # A run that exits non-zero never passes, whatever it printed before.
         result.status = Status.ERROR
         result.summary = f"nccom-test exited {out.returncode}: {result.summary}"
-    result.evidence = {"command": args, "returncode": out.returncode, "output_tail": _tail(out.output),
+    result.evidence = {"command": args, "returncode": out.returncode, "output_tail": tail(out.output),
                        **({"NEURON_RT_ROOT_COMM_ID": root_comm_id} if root_comm_id else {})}
     result.duration_s = time.monotonic() - started
     return result
@@ -539,7 +536,7 @@ def run_hw_check(devices: list[NeuronDevice] | None = None, binary: str = "nccom
             return _unavailable(HW_CHECK, exc, started, command=[neuron_ls_binary, "--json-output"])
         if out.returncode != 0 or listing is None:
             return DeepCheckResult(HW_CHECK, Status.ERROR, "neuron-ls gave no device listing to test",
-                                   evidence={"output_tail": _tail(out.output)}, duration_s=time.monotonic() - started)
+                                   evidence={"output_tail": tail(out.output)}, duration_s=time.monotonic() - started)
         devices = _fill_core_ids(listing.devices)
     if not devices:
         # Whether devices should be here is the count check's verdict, not this one's.
@@ -565,7 +562,7 @@ def run_hw_check(devices: list[NeuronDevice] | None = None, binary: str = "nccom
                                    metrics=_hw_metrics(verdicts), evidence={"commands": commands},
                                    duration_s=time.monotonic() - started)
         verdicts.append(judge_device(device.index, parse_nccom(out.output), out.returncode))
-        commands[-1].update(returncode=out.returncode, output_tail=_tail(out.output, 10))
+        commands[-1].update(returncode=out.returncode, output_tail=tail(out.output, 10))
     if not verdicts:
         return DeepCheckResult(HW_CHECK, Status.SKIPPED, f"device(s) {skipped} have too few cores to test",
                                duration_s=time.monotonic() - started)

@@ -15,7 +15,7 @@ from typing import Any
 
 import psutil
 
-from nodemedic.checks.active.base import DeepCheckResult, Status
+from nodemedic.checks.active.base import DeepCheckResult, Status, tail
 from nodemedic.checks.base import CheckUnavailable
 from nodemedic.checks.tools import MAX_OUTPUT, find_tool, run_tool
 from nodemedic.model import Finding, Severity
@@ -219,9 +219,6 @@ def build_args(kind: str, duration_s: float, scratch_dir: str | None = None, mem
     raise ValueError(f"unknown stress kind {kind!r}; one of {', '.join(KINDS)}")
 
 
-def _tail(text: str, lines: int = 30) -> str:
-    return "\n".join(text.splitlines()[-lines:])
-
 
 def run_stress(kind: str, duration_s: float, scratch_dir: str | None = None, memory_fraction: float = 0.25,
                binary: str = "stress-ng", timeout_margin_s: float = 30) -> DeepCheckResult:
@@ -246,7 +243,7 @@ def run_stress(kind: str, duration_s: float, scratch_dir: str | None = None, mem
                                duration_s=time.monotonic() - started)
     returncode, output = result.returncode, result.output[:MAX_OUTPUT]
     status, findings, metrics = parse_stress_output(output, returncode, kind, scratch_dir)
-    evidence: dict[str, Any] = {"command": args, "returncode": returncode, "output_tail": _tail(output)}
+    evidence: dict[str, Any] = {"command": args, "returncode": returncode, "output_tail": tail(output)}
     warnings = stress_warnings(output)
     # stress-ng 0.15 has no metrics-check: a run too short for its --vm-bytes verifies nothing and says nothing.
     idle = [n for n, row in metrics.get("stressors", {}).items() if row["bogo_ops"] == 0]

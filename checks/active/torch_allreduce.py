@@ -27,7 +27,7 @@ from datetime import timedelta
 from typing import Any, Callable, Mapping, Sequence
 
 from nodemedic.checks.active import nccl
-from nodemedic.checks.active.base import DeepCheckResult, Status, unavailable_status
+from nodemedic.checks.active.base import DeepCheckResult, Status, tail, unavailable_status
 from nodemedic.checks.base import CheckUnavailable
 from nodemedic.checks.tools import run_tool
 
@@ -539,7 +539,7 @@ def run_torch_allreduce(nproc: int, backend: str = "auto", min_bytes: str = "1M"
         out = run_tool(args, timeout_s + 2 * KILL_GRACE_S + 5)
     except CheckUnavailable as exc:
         return done(unavailable_status(exc), str(exc), {"command": args})
-    evidence = {"command": args, "returncode": out.returncode, "output_tail": nccl._tail(out.output)}
+    evidence = {"command": args, "returncode": out.returncode, "output_tail": tail(out.output)}
     if out.returncode == EXIT_NO_TORCH:
         return done(Status.SKIPPED, f"torch is not installed for {python}: built-in all-reduce test skipped",
                     evidence)
