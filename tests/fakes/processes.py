@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
 import uuid
+from typing import Iterator
 
 import psutil
 import pytest
@@ -55,3 +58,18 @@ def assert_nothing_left(value: str, within_s: float = 10.0) -> None:
         time.sleep(0.1)
     assert new_children() == []
     assert tagged(value) == []
+
+
+@contextlib.contextmanager
+def cancelled_after(seconds: float) -> Iterator[threading.Event]:
+    """Run the block under a cancel scope that is cancelled `seconds` in (nodemedic.checks.tools.cancel_scope)."""
+    from nodemedic.checks.tools import cancel_scope
+
+    event = threading.Event()
+    timer = threading.Timer(seconds, event.set)
+    timer.start()
+    try:
+        with cancel_scope(event):
+            yield event
+    finally:
+        timer.cancel()

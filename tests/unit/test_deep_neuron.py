@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -27,10 +26,9 @@ from nodemedic.checks.active.neuron import (
     run_neuron_ls_count,
 )
 from nodemedic.catalog import load_catalog
-from nodemedic.checks.tools import cancel_scope
 from nodemedic.model import Action, Severity
 
-from fakes.processes import assert_nothing_left, existing_children, process_tag  # noqa: F401 (fixtures)
+from fakes.processes import assert_nothing_left, cancelled_after, process_tag  # noqa: F401 (a fixture)
 from fakes.replay import replay
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "neuron"
@@ -410,15 +408,9 @@ def test_nccom_timeout_is_an_error_and_leaves_no_worker(nc, monkeypatch, tag):
 def test_nccom_cancel_is_an_error_quickly(nc, monkeypatch, tag):
     nc("nccom_r2_allr_fp32_doc.txt")
     monkeypatch.setenv("NCCOM_TEST_FAKE_SLEEP", "30")
-    event = threading.Event()
-    timer = threading.Timer(0.5, event.set)
     started = time.monotonic()
-    timer.start()
-    try:
-        with cancel_scope(event):
-            result = run_nccom(ranks=2, timeout_s=100)
-    finally:
-        timer.cancel()
+    with cancelled_after(0.5):
+        result = run_nccom(ranks=2, timeout_s=100)
     assert result.status is Status.ERROR and "cancelled" in result.summary
     assert time.monotonic() - started < 10
     assert_nothing_left(tag)
@@ -507,15 +499,9 @@ def test_hw_check_cancel(ls, nc, monkeypatch, tag):
     ls("ls_trn2_16dev_synthetic.json")
     nc("nccom_r2_allr_fp32_doc.txt")
     monkeypatch.setenv("NCCOM_TEST_FAKE_SLEEP", "30")
-    event = threading.Event()
-    timer = threading.Timer(0.5, event.set)
     started = time.monotonic()
-    timer.start()
-    try:
-        with cancel_scope(event):
-            result = run_hw_check(timeout_s=600)
-    finally:
-        timer.cancel()
+    with cancelled_after(0.5):
+        result = run_hw_check(timeout_s=600)
     assert result.status is Status.ERROR and "cancelled" in result.summary
     assert time.monotonic() - started < 10
     assert_nothing_left(tag)

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -14,9 +13,8 @@ import pytest
 from nodemedic.checks.active import torch_allreduce as ta
 from nodemedic.checks.active.base import Status
 from nodemedic.checks.active.nccl import BUSBW_LOW, CHECK, WRONG_RESULTS, parse_allreduce
-from nodemedic.checks.tools import cancel_scope
 
-from fakes.processes import assert_nothing_left, existing_children, new_children, process_tag  # noqa: F401
+from fakes.processes import assert_nothing_left, cancelled_after, new_children, process_tag  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.skipif(not ta.torch_available(), reason="torch not installed")
 
@@ -177,15 +175,9 @@ def test_tiny_timeout_before_the_ranks_start_is_error(tag):
 @pytest.mark.timeout(180)
 def test_cancel_stops_the_run_quickly(monkeypatch, tag):
     monkeypatch.setenv(ta.FAULT_ENV, "hang:1")
-    event = threading.Event()
-    timer = threading.Timer(4.0, event.set)
     started = time.monotonic()
-    timer.start()
-    try:
-        with cancel_scope(event):
-            result = ta.run_torch_allreduce(2, timeout_s=100, **SMALL)
-    finally:
-        timer.cancel()
+    with cancelled_after(4.0):
+        result = ta.run_torch_allreduce(2, timeout_s=100, **SMALL)
     assert result.status is Status.ERROR and "cancelled" in result.summary
     assert time.monotonic() - started < 15
     assert_nothing_left(tag)
