@@ -42,10 +42,6 @@ def cancel_scope(event: threading.Event) -> Iterator[threading.Event]:
         _CANCEL.reset(token)
 
 
-def cancel_event() -> threading.Event | None:
-    return _CANCEL.get()
-
-
 def check_cancelled(what: str = "run") -> None:
     """Raise Cancelled if the current scope was cancelled (for loops between tools)."""
     event = _CANCEL.get()
@@ -90,27 +86,36 @@ def run_tool(args: list[str], timeout_s: float, env: dict[str, str] | None = Non
                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True)
     except OSError as exc:
         raise CheckUnavailable(f"cannot run {exe}: {exc.strerror}") from exc
-    deadline = time.monotonic() + timeout_s
     try:
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                # Waiting in slices keeps a cancel prompt; a retried communicate() loses no output.
-                stdout, stderr = proc.communicate(timeout=max(0.0, min(left, CANCEL_POLL_S) if cancel else left))
-                break
-            except subprocess.TimeoutExpired as exc:
-                if cancel is not None and cancel.is_set():
-                    _kill_group(proc)
-                    raise Cancelled(f"{name} cancelled") from exc
-                if time.monotonic() >= deadline:
-                    _kill_group(proc)
-                    raise CheckUnavailable(f"{name} timed out after {timeout_s:g}s") from exc
-    except BaseException:
+        stdout, stderr = communicate(proc, timeout_s, name)
+    except subprocess.TimeoutExpired as exc:
+        _kill_group(proc)
+        raise CheckUnavailable(f"{name} timed out after {timeout_s:g}s") from exc
+    except BaseException:  # Cancelled, KeyboardInterrupt: the tool's group goes too
         if proc.poll() is None:
             _kill_group(proc)
         raise
     return ToolResult(tuple(args), proc.returncode, stdout[:MAX_OUTPUT].decode("utf-8", "replace"),
                       stderr[:MAX_OUTPUT].decode("utf-8", "replace"))
+
+
+def communicate(proc: subprocess.Popen[bytes], timeout_s: float, name: str) -> tuple[bytes, bytes]:
+    """proc.communicate() within `timeout_s`, prompt to the current cancel scope; the process is the caller's.
+
+    Raises subprocess.TimeoutExpired past the deadline and Cancelled on a cancel, leaving `proc` running.
+    """
+    cancel = _CANCEL.get()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            # Waiting in slices keeps a cancel prompt; a retried communicate() loses no output.
+            return proc.communicate(timeout=max(0.0, min(left, CANCEL_POLL_S) if cancel else left))
+        except subprocess.TimeoutExpired as exc:
+            if cancel is not None and cancel.is_set():
+                raise Cancelled(f"{name} cancelled") from exc
+            if time.monotonic() >= deadline:
+                raise
 
 
 def _kill_group(proc: subprocess.Popen[bytes], grace_s: float = 3.0) -> None:

@@ -20,7 +20,7 @@ import psutil
 
 from nodemedic.checks.active.base import DeepCheckResult, Status, tail
 from nodemedic.checks.base import CheckUnavailable
-from nodemedic.checks.tools import CANCEL_POLL_S, cancel_event, check_cancelled, find_tool, run_tool
+from nodemedic.checks.tools import check_cancelled, communicate, find_tool, run_tool
 from nodemedic.model import Finding, Severity
 
 CHECK = "efa.pingpong"
@@ -241,18 +241,11 @@ def _run_pair(exe: str, opts: list[str], port: int, deadline: float) -> _PairRun
             time.sleep(_LISTEN_POLL_S)
         client = subprocess.Popen(client_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   stdin=subprocess.DEVNULL, start_new_session=True)
-        cancel = cancel_event()
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                # In slices under a cancel scope, so a cancelled run stops now rather than at the deadline.
-                out, _ = client.communicate(timeout=max(0.0, min(left, CANCEL_POLL_S) if cancel else left))
-                break
-            except subprocess.TimeoutExpired:
-                check_cancelled("fi_pingpong")
-                if time.monotonic() >= deadline:
-                    run.outcome = "timeout"
-                    return run
+        try:
+            out, _ = communicate(client, max(0.0, deadline - time.monotonic()), "fi_pingpong")
+        except subprocess.TimeoutExpired:
+            run.outcome = "timeout"
+            return run
         run.client_output = out.decode("utf-8", "replace")
         run.client_rc = client.returncode
         try:

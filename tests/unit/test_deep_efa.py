@@ -196,3 +196,16 @@ def test_fake_failures_are_errors_and_reaped(tmp_path, monkeypatch, mode, words)
     result = run_pingpong(provider="tcp", timeout_s=2 if mode == "deaf" else 10)
     assert result.status is Status.ERROR and words in result.summary, result.summary
     assert result.findings == [] and children() == []
+
+
+@needs_libfabric
+def test_cancel_mid_run_reaps_both():
+    from nodemedic.checks.tools import Cancelled
+
+    from fakes.processes import cancelled_after
+
+    started = time.monotonic()
+    with cancelled_after(0.5), pytest.raises(Cancelled, match="fi_pingpong cancelled"):
+        run_pingpong("tcp", iterations=10_000_000, timeout_s=60)
+    assert time.monotonic() - started < 10
+    assert children() == []
