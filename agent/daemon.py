@@ -21,14 +21,15 @@ from nodemedic.checks.active.base import DeepCheckResult
 from nodemedic.checks.base import Check, Poller, Watcher
 from nodemedic.checks.platform.imds import Imds, resolve_instance_type
 from nodemedic.config import Config
-from nodemedic.diag import BACKSTOP_S, GRACE_S, DiagRun, build_plan, new_run_id, result_command, run_plan, select
+from nodemedic.diag import (GRACE_S, DiagRun, begin_command, build_plan, new_run_id, open_deep_log,
+                            result_command, run_plan, select)
 from nodemedic.model import CHECK_FAILED, DEEP_ERROR, DEEP_PASSED, Action, Finding, Health, Severity
 from nodemedic.policy import DeepCheckRun, Decision, Policy, PolicyState
 from nodemedic.recovery_server import RecoveryServer, RecoveryServerError, signal_ranks
 from nodemedic.registry import applicable, build_checks, node_context
 from nodemedic.runner import CheckRunner
 from nodemedic.state import AgentLock, StateStore
-from nodemedic.telemetry.deep_log import COMPLETED, DeepCheckLog
+from nodemedic.telemetry.deep_log import DeepCheckLog
 from nodemedic.telemetry.logs import DetectionLog
 from nodemedic.telemetry.metrics import Metrics
 
@@ -38,7 +39,6 @@ INBOX = "inbox"
 SAVE_EVERY_S = 10.0        # repeats only bump counters: persist them lazily
 QUEUE_LIMIT = 10_000       # findings waiting for the policy; a full queue slows the watchers, never drops
 READY_TIMEOUT_S = 5.0      # how long start() waits for watchers to be positioned before saying ready
-DEEP_LOG_NAME = "deep-health-check.log"  # under the state dir when the configured log path is not writable
 
 
 def read_boot_id(path: str = "/proc/sys/kernel/random/boot_id") -> str | None:
@@ -150,9 +150,7 @@ class Agent:
             t.start()
             self._threads.append(t)
         if self.config.deep_checks.enabled:
-            dc = self.config.deep_checks
-            self.deep_log = DeepCheckLog(dc.log_path, self.config.node_name, self.instance_type, dc.log_max_bytes,
-                                         dc.log_backups, fallback=Path(self.config.state_dir) / DEEP_LOG_NAME)
+            self.deep_log = open_deep_log(self.config, self.instance_type)
             self._deep_thread = threading.Thread(target=self._deep_loop, name="deep-checks", daemon=True)
             self._deep_thread.start()
         # Readiness means every watcher is positioned on its source: anything logged from now on is seen.
@@ -361,21 +359,13 @@ class Agent:
             tests = []
         self.deep_run = run
         self.deep_runs += 1
-        lease = dc.hold_timeout_s + sum(t.timeout_s + BACKSTOP_S + GRACE_S for t in tests)
         begun = threading.Event()
-        self.command({"command": "deep_check_begin", "run": {
-            "run_id": run.run_id, "started": run.started, "expires": run.started + lease, "hold": dc.hold_node,
-            "level": level, "trigger": trigger}}, done=begun)
+        self.command(begin_command(run, tests, dc.hold_node, dc.hold_timeout_s), done=begun)
         begun.wait(10)
         if not run.note and dc.hold_node and not self.dispatcher.wait_idle(dc.hold_timeout_s):
             run.note = f"the node could not be held out of scheduling within {dc.hold_timeout_s:g}s: tests not run"
             log.error("deep-check run %s: %s", run.run_id, run.note)
-        if not run.note:
-            run_plan(tests, run, self._deep_cancel, self.deep_log, on_result=self._deep_result, clock=self.clock)
-        else:
-            run.finished = self.clock()
-            if self.deep_log is not None:
-                self.deep_log.write(COMPLETED, run.summary(), run.finished)
+        run_plan(tests, run, self._deep_cancel, self.deep_log, on_result=self._deep_result, clock=self.clock)
         self.metrics.deep_run(run)
         self.command({"command": "deep_check_end", "run_id": run.run_id, "status": run.status})
         log.log(logging.INFO if run.status == DEEP_PASSED else logging.WARNING,

@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from nodemedic.checks.active import counts, dcgm_diag, efa, nccl, neuron, stress
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 LEVELS = (2, 4)
 BACKSTOP_S = 30.0   # past a test's own limit (its tools time out first and say why), the runner cancels it
 GRACE_S = 15.0      # how long a cancelled test gets to kill its tools and return
+DEEP_LOG_NAME = "deep-health-check.log"  # under the state dir when the configured log path is not writable
 
 
 @dataclass
@@ -81,6 +83,21 @@ def result_command(result: DeepCheckResult, run_id: str | None = None) -> dict[s
     return {"command": "deep_check_result", "run_id": run_id, "check": result.name, "status": str(result.status),
             "findings": [f.to_dict() for f in result_findings(result)],
             "passed": result.name if result.status is Status.PASSED else None}
+
+
+def begin_command(run: DiagRun, tests: list[DeepTest], hold: bool, hold_timeout_s: float) -> dict[str, Any]:
+    """The command that holds the node for `run`, with a lease covering every test's limit and the hold itself."""
+    lease = hold_timeout_s + sum(t.timeout_s + BACKSTOP_S + GRACE_S for t in tests)
+    return {"command": "deep_check_begin", "run": {
+        "run_id": run.run_id, "started": run.started, "expires": run.started + lease, "hold": hold,
+        "level": run.level, "trigger": run.trigger}}
+
+
+def open_deep_log(config: Config, instance_type: str | None) -> DeepCheckLog:
+    """The configured deep-check log, falling back to the state dir where that path is not writable."""
+    dc = config.deep_checks
+    return DeepCheckLog(dc.log_path, config.node_name, instance_type, dc.log_max_bytes, dc.log_backups,
+                        fallback=Path(config.state_dir) / DEEP_LOG_NAME)
 
 
 def new_run_id() -> str:
@@ -289,7 +306,15 @@ def run_test(test: DeepTest, cancel: threading.Event, backstop_s: float = BACKST
 def run_plan(tests: list[DeepTest], run: DiagRun, cancel: threading.Event, deep_log: DeepCheckLog | None = None,
              on_result: Callable[[DeepCheckResult], None] | None = None, clock: Callable[[], float] = time.time,
              backstop_s: float = BACKSTOP_S) -> DiagRun:
-    """Run `tests` in order into `run`; after a cancel the rest are recorded as skipped, not silently dropped."""
+    """Run `tests` in order into `run`; after a cancel the rest are recorded as skipped, not silently dropped.
+
+    A run that already carries a note (the node could not be held, a bad selection) runs nothing and is only logged.
+    """
+    if run.note:
+        run.finished = clock()
+        if deep_log is not None:
+            deep_log.write(COMPLETED, run.summary(), run.finished)
+        return run
     if deep_log is not None:
         deep_log.write(STARTED, {"run_id": run.run_id, "level": run.level, "trigger": run.trigger,
                                  "tests": [t.name for t in tests]}, clock())

@@ -8,22 +8,23 @@ platform itself.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import signal
 import sys
 import threading
 import time
-from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from nodemedic.actions import RetryLater
 from nodemedic.catalog import load_catalog
 from nodemedic.checks.active.base import DeepCheckResult
 from nodemedic.checks.platform.imds import Imds, resolve_instance_type
 from nodemedic.config import Config
-from nodemedic.daemon import DEEP_LOG_NAME, apply_command, make_backends, write_command
-from nodemedic.diag import (BACKSTOP_S, GRACE_S, DiagRun, build_plan, new_run_id, result_command, run_plan,
+from nodemedic.checks.tools import cancel_scope
+from nodemedic.daemon import apply_command, make_backends, write_command
+from nodemedic.diag import (DiagRun, begin_command, build_plan, new_run_id, open_deep_log, result_command, run_plan,
                             select)
 from nodemedic.model import DEEP_FAILED, DEEP_PASSED
 from nodemedic.policy import Policy
@@ -91,6 +92,18 @@ class InboxPublisher:
         pass
 
 
+@contextlib.contextmanager
+def cancel_on_signals() -> Iterator[threading.Event]:
+    """An event SIGINT and SIGTERM set while the block runs (the run then cancels its tools); handlers restored."""
+    cancel = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: cancel.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield cancel
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _context(config: Config):  # type: ignore[no-untyped-def]
     imds = Imds(config.imds.endpoint, config.imds.timeout_s) if config.imds.enabled else None
     return node_context(config, resolve_instance_type(config.instance_type, imds))
@@ -128,35 +141,21 @@ def cmd_diag(args: argparse.Namespace, config: Config) -> int:
         return EXIT_ERROR
     hold = dc.hold_node and not args.no_hold
     publisher = InboxPublisher(config) if running else DirectPublisher(config)
-    deep_log = DeepCheckLog(dc.log_path, config.node_name, ctx.instance_type, dc.log_max_bytes, dc.log_backups,
-                            fallback=Path(config.state_dir) / DEEP_LOG_NAME)
+    deep_log = open_deep_log(config, ctx.instance_type)
     run = DiagRun(new_run_id(), level, "cli", time.time())
-    cancel = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: cancel.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        lease = dc.hold_timeout_s + sum(t.timeout_s + BACKSTOP_S + GRACE_S for t in tests)
-        problem = publisher.send({"command": "deep_check_begin", "run": {
-            "run_id": run.run_id, "started": run.started, "expires": run.started + lease, "hold": hold,
-            "level": level, "trigger": "cli"}})
+    with cancel_on_signals() as cancel, contextlib.closing(deep_log), contextlib.closing(publisher):
+        problem = publisher.send(begin_command(run, tests, hold, dc.hold_timeout_s))
         if problem and hold:
             run.note = f"the node could not be held out of scheduling: {problem}; tests not run"
-        if not run.note:
-            def on_result(result: DeepCheckResult) -> None:
-                if args.verbose or (not args.json and sys.stderr.isatty()):
-                    print(f"  {result.name:18} {str(result.status):8} {result.summary}", file=sys.stderr, flush=True)
-                if (why := publisher.send(result_command(result, run.run_id))) is not None:
-                    log.error("%s", why)
-            run_plan(tests, run, cancel, deep_log, on_result=on_result)
-        else:
-            run.finished = time.time()
-            deep_log.write(COMPLETED, run.summary(), run.finished)
+
+        def on_result(result: DeepCheckResult) -> None:
+            if args.verbose or (not args.json and sys.stderr.isatty()):
+                print(f"  {result.name:18} {str(result.status):8} {result.summary}", file=sys.stderr, flush=True)
+            if (why := publisher.send(result_command(result, run.run_id))) is not None:
+                log.error("%s", why)
+        run_plan(tests, run, cancel, deep_log, on_result=on_result)
         if (why := publisher.send({"command": "deep_check_end", "run_id": run.run_id, "status": run.status})):
             log.error("%s", why)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        publisher.close()
-        deep_log.close()
     _report(run, config, deep_log, args.json)
     return {DEEP_PASSED: EXIT_PASSED, DEEP_FAILED: EXIT_FAILED}.get(run.status, EXIT_ERROR)
 
@@ -221,24 +220,13 @@ def cmd_diag_cluster(args: argparse.Namespace, config: Config) -> int:
                                "gpus_per_task": args.gpus_per_task, "mpi": args.mpi}
     if args.srun_arg:
         command["extra_srun_args"] = args.srun_arg
-    cancel = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: cancel.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    deep_log = DeepCheckLog(config.deep_checks.log_path, config.node_name, instance_type,
-                            config.deep_checks.log_max_bytes, config.deep_checks.log_backups,
-                            fallback=Path(config.state_dir) / DEEP_LOG_NAME)
-    try:
-        from nodemedic.checks.tools import cancel_scope
-
-        with cancel_scope(cancel):
-            result = cluster.run_cluster(args.nodes, tasks_per_node=args.tasks_per_node or 8,
-                                         threshold_busbw_gbs=args.threshold, instance_type=instance_type,
-                                         bisect_on_failure=not args.no_bisect, timeout_s=args.timeout, **command)
+    with cancel_on_signals() as cancel, contextlib.closing(open_deep_log(config, instance_type)) as deep_log, \
+            cancel_scope(cancel):
+        result = cluster.run_cluster(args.nodes, tasks_per_node=args.tasks_per_node or 8,
+                                     threshold_busbw_gbs=args.threshold, instance_type=instance_type,
+                                     bisect_on_failure=not args.no_bisect, timeout_s=args.timeout, **command)
         deep_log.write(COMPLETED, {"run_id": new_run_id(), "trigger": "cli-cluster", "cluster": result.record(),
                                    "status": str(result.result.status)}, time.time())
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        deep_log.close()
     r = result.result
     if args.json:
         print(json.dumps(result.record(), indent=2, default=str))
